@@ -1,0 +1,79 @@
+"""Per-layer K and V tensors laid out for paged access.
+
+Layout (the same for every layer, chosen so that CPU gathers and FlashInfer's paged kernels read the
+same memory without copies)::
+
+    k_buffer[layer] : [total_slots, num_kv_heads, head_dim]      ("NHD", token-major)
+    v_buffer[layer] : [total_slots, num_kv_heads, head_dim]
+
+Slot ``s`` is row ``s``; page ``p`` is rows ``p*page_size .. p*page_size + page_size - 1``, so
+``paged_view(layer)`` is a free reshape to ``[num_pages + 1, page_size, num_kv_heads, head_dim]``, the
+NHD paged layout FlashInfer expects. Row block 0 is the reserved padding page (see ``allocator``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def tokens_for_bytes(self, budget_bytes: int, page_size: int = 1) -> int:
+        """Largest page-aligned token capacity whose storage (plus the reserved page) fits the budget."""
+        pages = budget_bytes // (self.bytes_per_token * page_size) - 1
+        if pages < 1:
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes holds no page of {page_size} tokens "
+                f"({self.bytes_per_token} bytes per token)"
+            )
+        return pages * page_size
+
+
+class KVStorage:
+    """Holds the KV tensors of every layer; the allocator decides which slots are whose."""
+
+    def __init__(
+        self, shape: KVShape, total_slots: int, page_size: int = 1, device: str | torch.device = "cpu"
+    ):
+        if total_slots % page_size:
+            raise ValueError(f"total_slots {total_slots} is not a multiple of page_size {page_size}")
+        self.shape = shape
+        self.page_size = page_size
+        self.total_slots = total_slots
+        dims = (shape.num_layers, total_slots, shape.num_kv_heads, shape.head_dim)
+        self.k_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.v_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_buffer.nbytes + self.v_buffer.nbytes
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.k_buffer[layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.v_buffer[layer]
+
+    def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the K/V of new tokens (``[n, num_kv_heads, head_dim]``) into their slots."""
+        self.k_buffer[layer].index_copy_(0, slots, k.to(self.shape.dtype))
+        self.v_buffer[layer].index_copy_(0, slots, v.to(self.shape.dtype))
+
+    def paged_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as ``[num_pages, page_size, heads, head_dim]`` views (no copy)."""
+        s = self.shape
+        view = (self.total_slots // self.page_size, self.page_size, s.num_kv_heads, s.head_dim)
+        return self.k_buffer[layer].view(view), self.v_buffer[layer].view(view)
