@@ -108,11 +108,20 @@ class PrefixCache(ABC):
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.page_size = allocator.page_size
+        self._hit = self._miss = 0
+
+    def record_lookup(self, hit_tokens: int, total_tokens: int) -> None:
+        """Count one lookup in the hit statistics (the scheduler does this once per admitted request)."""
+        self._hit += hit_tokens
+        self._miss += total_tokens - hit_tokens
 
     # ------------------------------------------------------------------ the cache proper
     @abstractmethod
-    def match_prefix(self, tokens: TokenSeq, namespace: Hashable | None = None) -> MatchResult:
-        """Longest cached page-aligned prefix of ``tokens`` in ``namespace``."""
+    def match_prefix(
+        self, tokens: TokenSeq, namespace: Hashable | None = None, *, record: bool = True
+    ) -> MatchResult:
+        """Longest cached page-aligned prefix of ``tokens`` in ``namespace`` (``record``: count it in the
+        hit statistics)."""
 
     @abstractmethod
     def insert(self, tokens: TokenSeq, slots: torch.Tensor, namespace: Hashable | None = None) -> int:

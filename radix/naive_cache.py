@@ -13,16 +13,12 @@ from radix.base import EMPTY_SLOTS, CacheStats, MatchResult, PrefixCache, ReqKV,
 
 
 class NaiveCache(PrefixCache):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._miss = 0
-
     def match_prefix(
         self, tokens: TokenSeq, namespace: Hashable | None = None, *, record: bool = True
     ) -> MatchResult:
         """Never matches anything (and never splits: there is no tree)."""
         if record:
-            self._miss += len(key_bytes(tokens)) >> 2
+            self.record_lookup(0, len(key_bytes(tokens)) >> 2)
         return MatchResult(EMPTY_SLOTS, None)
 
     def insert(self, tokens: TokenSeq, slots: torch.Tensor, namespace: Hashable | None = None) -> int:
@@ -50,7 +46,7 @@ class NaiveCache(PrefixCache):
         return None
 
     def stats(self) -> CacheStats:
-        return CacheStats(miss_tokens=self._miss)
+        return CacheStats(hit_tokens=self._hit, miss_tokens=self._miss)
 
     def owned_slots(self) -> list[torch.Tensor]:
         return []

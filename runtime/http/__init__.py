@@ -1,0 +1,1 @@
+"""The HTTP API: SGLang-native endpoints, OpenAI-compatible endpoints, errors and metrics."""

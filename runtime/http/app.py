@@ -1,0 +1,60 @@
+"""The FastAPI application: routes, error handlers, metrics, and the watchdog over the child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from runtime.http import native, openai_api
+from runtime.http.errors import install_error_handlers
+from runtime.http.metrics import ServerMetrics
+from runtime.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+VERSION = "0.1.0"
+WATCH_INTERVAL = 0.5
+
+
+def create_app(tm: TokenizerManager, served_model_name: str,
+               check_children: Callable[[], str | None] | None = None,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """``check_children()`` returns why a child process is gone (or None); ``on_fatal`` stops the server."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await tm.start()
+        watcher = asyncio.create_task(_watch(tm, check_children, on_fatal)) if check_children else None
+        try:
+            yield
+        finally:
+            if watcher:
+                watcher.cancel()
+            await tm.stop()
+
+    app = FastAPI(title="radixserve", version=VERSION, lifespan=lifespan)
+    app.state.tm = tm
+    app.state.served_model_name = served_model_name
+    app.state.metrics = ServerMetrics(served_model_name)
+    tm.on_output = app.state.metrics.on_output
+    install_error_handlers(app)
+    app.include_router(native.router)
+    app.include_router(openai_api.router)
+    return app
+
+
+async def _watch(tm: TokenizerManager, check: Callable[[], str | None],
+                 on_fatal: Callable[[], None] | None) -> Any:
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL)
+        reason = check()
+        if reason is not None:
+            logger.error("%s; failing pending requests with 503 and shutting down", reason)
+            tm.mark_dead(reason)
+            if on_fatal is not None:
+                on_fatal()
+            return

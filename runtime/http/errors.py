@@ -1,0 +1,95 @@
+"""Errors in OpenAI's JSON shape, for every endpoint (native ones too).
+
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for anything the client can fix;
+503 when the server lost a process. Validation messages of the runtime start with the field name
+(``"temperature: must be ..."``), which becomes ``param``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.tokenizer_manager import ServerUnavailable
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code or str(status)}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
+    return Response(orjson.dumps(error_body(status, message, param, code)), status_code=status,
+                    media_type="application/json")
+
+
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+
+
+def from_value_error(exc: ValueError) -> APIError:
+    message = str(exc)
+    m = _FIELD.match(message)
+    return APIError(400, message, param=m.group(1) if m else None)
+
+
+async def parse_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> Response:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, exc: ValueError) -> Response:
+        err = from_value_error(exc)
+        return error_response(err.status, err.message, err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        field = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {msg}")
+        return error_response(400, f"{field}: {msg}" if field else msg, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(ServerUnavailable)
+    async def _dead(_: Request, exc: ServerUnavailable) -> Response:
+        return error_response(503, f"the server is unavailable: {exc}")
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

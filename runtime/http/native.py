@@ -1,0 +1,156 @@
+"""SGLang-native endpoints: /generate and the server's control and health endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from runtime.generate_input import SingleRequest, expand
+from runtime.http.errors import APIError, error_response, parse_json
+from runtime.http.requests import DONE, abort_unfinished, merged_updates, sse, submit_all, wait_all
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer_manager import ReqHandle, TokenizerManager
+
+router = APIRouter()
+
+
+def tm_of(request: Request) -> TokenizerManager:
+    return request.app.state.tm
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name}: must be a boolean", name)
+    return value
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    tm = tm_of(request)
+    body = await parse_json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    stream = _flag(body, "stream")
+    text_in_lp = _flag(body, "return_text_in_logprobs")
+    is_batch, singles = expand(
+        text=body.get("text"), input_ids=body.get("input_ids"), sampling_params=body.get("sampling_params"),
+        rid=body.get("rid"), return_logprob=body.get("return_logprob"),
+        logprob_start_len=body.get("logprob_start_len"), top_logprobs_num=body.get("top_logprobs_num"),
+        cache_salt=body.get("cache_salt"), max_n=tm.args.max_running_requests,
+    )
+    handles = await submit_all(tm, singles, stream)
+    token_text = (lambda t: tm.tokenizer.decode([t])) if text_in_lp else None
+    if stream:
+        return StreamingResponse(_stream(tm, handles, is_batch, token_text), media_type="text/event-stream")
+    states = await wait_all(tm, request, handles)
+    for st in states:
+        fin = st.finished
+        if fin is not None and fin.type == "abort" and fin.status_code:
+            return error_response(fin.status_code, fin.message or "request rejected")
+    results = [st.to_native(h.single.return_logprob, h.single.top_logprobs_num, token_text)
+               for st, h in zip(states, handles)]
+    return json_response(results if is_batch else results[0])
+
+
+async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool,
+                  token_text: Any) -> AsyncIterator[bytes]:
+    try:
+        async for i, state in merged_updates(handles):
+            s = handles[i].single
+            frame = state.to_native(s.return_logprob, s.top_logprobs_num, token_text)
+            if is_batch:
+                frame["index"] = i
+            yield sse(frame)
+        yield DONE
+    finally:
+        await abort_unfinished(tm, handles, "the client disconnected")
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    tm = tm_of(request)
+    info = tm.model_info
+    return json_response({
+        "model_path": info["model_path"],
+        "tokenizer_path": tm.args.tokenizer or info["model_path"],
+        "served_model_name": request.app.state.served_model_name,
+        "is_generation": True,
+        "context_length": info["context_length"],
+        "vocab_size": info["vocab_size"],
+        "architecture": info["architecture"],
+        "chat_template": getattr(tm.tokenizer, "chat_template", None),
+    })
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> Response:
+    tm = tm_of(request)
+    reply = await tm.control("server_info")
+    return json_response({
+        **dataclasses.asdict(tm.args),
+        "model_info": tm.model_info,
+        "version": request.app.version,
+        **reply.data,
+    })
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    tm = tm_of(request)
+    if tm.dead:
+        return error_response(503, f"unhealthy: {tm.dead}")
+    return json_response({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    tm = tm_of(request)
+    if tm.dead:
+        return error_response(503, f"unhealthy: {tm.dead}")
+    single = SingleRequest(rid=f"health-{id(request)}", text=None, input_ids=[tm.tokenizer.eos_token_id or 0],
+                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
+    handle = await tm.submit(single, stream=False)
+    try:
+        await asyncio.wait_for(handle.result(), 60)
+    except asyncio.TimeoutError:
+        await tm.abort(single.rid)
+        return error_response(503, "unhealthy: no token generated within 60 s")
+    return json_response({"status": "ok"})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    reply = await tm_of(request).control("flush_cache")
+    if not reply.ok:
+        return error_response(400, reply.data.get("message", "the cache was not flushed"))
+    return json_response({"message": "Cache flushed."})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    body = await parse_json(request)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise APIError(400, "rid: give the id of the request to abort", "rid")
+    await tm_of(request).abort(rid)
+    return json_response({"message": f"abort of {rid} requested"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    tm = tm_of(request)
+    data = request.app.state.metrics.render(tm.status)
+    return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")

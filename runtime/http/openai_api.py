@@ -1,0 +1,5 @@
+"""OpenAI-compatible endpoints (being written)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

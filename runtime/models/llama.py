@@ -1,0 +1,299 @@
+"""Our Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), one implementation for all.
+
+The variants differ only in a few switches read from the HF config (:class:`LlamaArch`): bias on the
+QKV projection (Qwen2), per-head RMSNorm on q and k (Qwen3), tied embeddings, RoPE base and llama3
+scaling, an explicit ``head_dim``. Each variant is a tiny subclass that says how to read its switches.
+
+Layout choices, all for the CPU decode hot path (time outside GEMM decides speed there):
+- q/k/v are one fused weight (one GEMM), so are gate/up; the HF names are split into them at load time.
+- o_proj and down_proj are ``residual.addmm_(x, W.T)``: the residual add rides inside the GEMM.
+- RoPE tables are precomputed once and indexed by ``batch.positions`` once per forward, not per layer.
+- Layers are called as plain methods (no ``Module.__call__`` hooks); there is no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention.base import AttentionBackend, AttentionShape
+from runtime.executor.forward_batch import ForwardBatch
+from runtime.models.errors import ModelLoadError
+from runtime.models.layers import RotaryCache, apply_rotary, rms_norm, rope_parameters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The shape and switches of one checkpoint, read from its HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    rope: dict[str, Any]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @property
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim)
+
+
+def _common_arch(config: Any, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> LlamaArch:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported activation {act!r} (only silu / SwiGLU is implemented)")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return LlamaArch(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(config.rms_norm_eps),
+        max_positions=int(config.max_position_embeddings),
+        rope=rope_parameters(config),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=qk_norm,
+    )
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: ``r += o_proj(attn(norm(r)))``; ``r += down(silu(gate) * up)(norm(r))``."""
+
+    def __init__(self, arch: LlamaArch, layer_id: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.eps = arch.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.inter = arch.intermediate_size
+        hidden, inter, qkv_rows = arch.hidden_size, arch.intermediate_size, self.q_size + 2 * self.kv_size
+
+        def opt(shape: tuple[int, ...], present: bool) -> nn.Parameter | None:
+            return _param(shape, dtype, device) if present else None
+
+        self.input_norm = _param((hidden,), dtype, device)
+        self.qkv_weight = _param((qkv_rows, hidden), dtype, device)
+        self.qkv_bias = opt((qkv_rows,), arch.qkv_bias)
+        self.q_norm = opt((arch.head_dim,), arch.qk_norm)
+        self.k_norm = opt((arch.head_dim,), arch.qk_norm)
+        self.o_weight = _param((hidden, self.q_size), dtype, device)
+        self.o_bias = opt((hidden,), arch.o_bias)
+        self.post_norm = _param((hidden,), dtype, device)
+        self.gate_up_weight = _param((2 * inter, hidden), dtype, device)
+        self.gate_up_bias = opt((2 * inter,), arch.mlp_bias)
+        self.down_weight = _param((hidden, inter), dtype, device)
+        self.down_bias = opt((hidden,), arch.mlp_bias)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """HF checkpoint name → the tensor (or row block of a fused tensor) it is copied into."""
+        q, kv, inter = self.q_size, self.kv_size, self.inter
+        named: list[tuple[str, torch.Tensor | None, int, int]] = [
+            ("input_layernorm.weight", self.input_norm, 0, 0),
+            ("post_attention_layernorm.weight", self.post_norm, 0, 0),
+            ("self_attn.q_proj.weight", self.qkv_weight, 0, q),
+            ("self_attn.k_proj.weight", self.qkv_weight, q, kv),
+            ("self_attn.v_proj.weight", self.qkv_weight, q + kv, kv),
+            ("self_attn.q_proj.bias", self.qkv_bias, 0, q),
+            ("self_attn.k_proj.bias", self.qkv_bias, q, kv),
+            ("self_attn.v_proj.bias", self.qkv_bias, q + kv, kv),
+            ("self_attn.q_norm.weight", self.q_norm, 0, 0),
+            ("self_attn.k_norm.weight", self.k_norm, 0, 0),
+            ("self_attn.o_proj.weight", self.o_weight, 0, 0),
+            ("self_attn.o_proj.bias", self.o_bias, 0, 0),
+            ("mlp.gate_proj.weight", self.gate_up_weight, 0, inter),
+            ("mlp.up_proj.weight", self.gate_up_weight, inter, inter),
+            ("mlp.gate_proj.bias", self.gate_up_bias, 0, inter),
+            ("mlp.up_proj.bias", self.gate_up_bias, inter, inter),
+            ("mlp.down_proj.weight", self.down_weight, 0, 0),
+            ("mlp.down_proj.bias", self.down_bias, 0, 0),
+        ]
+        # rows == 0: the whole tensor; otherwise a row block of a fused weight (a view, so copy_ fills it).
+        return {prefix + name: (t if rows == 0 else t.narrow(0, row, rows))
+                for name, t, row, rows in named if t is not None}
+
+    def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+            backend: AttentionBackend) -> None:
+        """Apply the block to ``residual`` ``[T, hidden]`` in place."""
+        t = residual.shape[0]
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        k_end = self.q_size + self.kv_size
+
+        x = rms_norm(residual, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Qwen3: RMSNorm over each head's vector, before RoPE.
+            q = apply_rotary(rms_norm(qkv[:, : self.q_size].view(t, h, d), self.q_norm, self.eps), cos, sin)
+            k = apply_rotary(rms_norm(qkv[:, self.q_size : k_end].view(t, hkv, d), self.k_norm, self.eps),
+                             cos, sin)
+        else:
+            # q and k heads side by side: one rotation for both.
+            qk = apply_rotary(qkv[:, :k_end].view(t, h + hkv, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, k_end:].view(t, hkv, d)
+        attn = backend.forward(q, k, v, self.layer_id, batch)
+        residual.addmm_(attn.reshape(t, self.q_size), self.o_weight.t())
+        if self.o_bias is not None:
+            residual.add_(self.o_bias)
+
+        x = rms_norm(residual, self.post_norm, self.eps)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate = F.silu(gate_up[:, : self.inter], inplace=True)  # in place on a view of gate_up
+        gate.mul_(gate_up[:, self.inter :])
+        residual.addmm_(gate, self.down_weight.t())
+        if self.down_bias is not None:
+            residual.add_(self.down_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over the paged KV pool; subclasses only change :meth:`arch_from_config`."""
+
+    def __init__(self, config: Any, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ModelLoadError(f"unsupported model dtype {dtype}")
+        arch = self.arch_from_config(config)
+        if attn_backend.shape != arch.attention_shape:
+            raise ValueError(f"attention backend shape {attn_backend.shape} does not match the model's "
+                             f"{arch.attention_shape}")
+        sliding = getattr(config, "sliding_window", None)
+        if sliding and getattr(config, "use_sliding_window", True) and sliding < arch.max_positions:
+            logger.warning("sliding_window=%d is not implemented: attention is full, so outputs match the "
+                           "reference only for sequences up to %d tokens", sliding, sliding)
+        device = torch.device(device)
+        self.arch = arch
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.attn_backend = attn_backend
+        self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers))
+        self.norm = _param((arch.hidden_size,), dtype, device)
+        self.lm_head = None if arch.tie_word_embeddings else _param((arch.vocab_size, arch.hidden_size),
+                                                                    dtype, device)
+        self.rotary = RotaryCache(arch.head_dim, arch.max_positions, arch.rope, dtype, device)
+        # Plain list for the hot loop: iterating a ModuleList goes through __getitem__/__iter__ machinery.
+        self._layer_list: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+
+    @classmethod
+    def arch_from_config(cls, config: Any) -> LlamaArch:
+        """Llama/SmolLM2: ``attention_bias`` puts a bias on q, k, v and o alike."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return _common_arch(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states after the final norm for every new token of the batch, ``[T, hidden]``.
+
+        Plans the attention backend for the batch unless the caller already did (``attn_metadata``).
+        """
+        if batch.attn_metadata is None:
+            self.attn_backend.plan(batch)
+        cos, sin = self.rotary.lookup(batch.positions, max(batch.seq_lens_cpu, default=0))
+        residual = F.embedding(batch.input_ids, self.embed_tokens)
+        for layer in self._layer_list:
+            layer.run(residual, cos, sin, batch, self.attn_backend)
+        return rms_norm(residual, self.norm, self.arch.rms_norm_eps)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[N, vocab]`` in fp32 for hidden rows ``[N, hidden]``.
+
+        Runs under ``no_grad`` rather than ``inference_mode`` so the sampler may edit the logits in place
+        (penalties, masks) outside inference mode.
+        """
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every HF weight name this model expects → the tensor (view) it is copied into."""
+        targets: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.norm,
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self._layer_list):
+            targets.update(layer.weight_targets(f"model.layers.{i}."))
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (casting to the model dtype), splicing q/k/v and gate/up into the
+        fused weights. Raises :class:`ModelLoadError` on a shape mismatch or a missing weight."""
+        targets = self.weight_targets()
+        loaded: set[str] = set()
+        ignored: list[str] = []
+        for name, tensor in weights:
+            dst = targets.get(name)
+            if dst is None:
+                # Rotary buffers of old checkpoints; lm_head of tied checkpoints (it equals the embedding).
+                ignored.append(name)
+                continue
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        unexpected = [n for n in ignored if "rotary_emb" not in n and n != "lm_head.weight"]
+        if unexpected:
+            logger.warning("ignored %d unexpected weights, e.g. %s", len(unexpected), unexpected[:5])
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layout (sliding window not implemented, see the warning at build time)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2/2.5: q, k, v carry a bias; o_proj does not."""
+
+    @classmethod
+    def arch_from_config(cls, config: Any) -> LlamaArch:
+        return _common_arch(config, qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on q and k before RoPE; ``attention_bias`` as in Llama."""
+
+    @classmethod
+    def arch_from_config(cls, config: Any) -> LlamaArch:
+        bias = bool(getattr(config, "attention_bias", False))
+        return _common_arch(config, qkv_bias=bias, o_bias=bias, qk_norm=True)

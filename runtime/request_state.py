@@ -1,0 +1,76 @@
+"""RequestState: what the caller side knows of one request, and its SGLang-native JSON form.
+
+Fed with ``ReqOutput`` deltas (token ids, logprobs, finish) plus the cumulative text, it produces the
+``/generate`` response object (``text``, ``output_ids``, ``meta_info``); the Engine returns the same dicts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.messages import FinishReason, ReqOutput
+
+
+@dataclass
+class RequestState:
+    rid: str
+    created: float = field(default_factory=time.perf_counter)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finished: FinishReason | None = None
+    first_token_at: float | None = None
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def update(self, out: ReqOutput, text: str) -> None:
+        if out.new_token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.output_ids.extend(out.new_token_ids)
+        self.text = text
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+        self.finished = out.finished
+        self.input_logprobs.extend(out.input_logprobs)
+        self.input_top.extend(out.input_top_logprobs)
+        self.output_logprobs.extend(out.output_logprobs)
+        self.output_top.extend(out.output_top_logprobs)
+
+    def meta_info(self, return_logprob: bool = False, top_logprobs_num: int = 0,
+                  token_text: Any = None) -> dict[str, Any]:
+        """``token_text(id) -> str`` adds each token's text to logprob entries (return_text_in_logprobs)."""
+
+        def entry(lp: float | None, tid: int) -> list[Any]:
+            return [lp, tid, token_text(tid) if token_text else None]
+
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finished.to_json() if self.finished else None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": round(time.perf_counter() - self.created, 6),
+        }
+        if return_logprob:
+            meta["input_token_logprobs"] = [entry(lp, t) for lp, t in self.input_logprobs]
+            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in self.output_logprobs]
+            if top_logprobs_num:
+                meta["input_top_logprobs"] = [
+                    [entry(lp, t) for lp, t in top] if top is not None else None for top in self.input_top]
+                meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top] for top in self.output_top]
+        return meta
+
+    def to_native(self, return_logprob: bool = False, top_logprobs_num: int = 0,
+                  token_text: Any = None) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "output_ids": list(self.output_ids),
+            "meta_info": self.meta_info(return_logprob, top_logprobs_num, token_text),
+        }

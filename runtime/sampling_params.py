@@ -1,0 +1,141 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (SGLang's field names).
+
+``from_dict`` accepts exactly SGLang's ``sampling_params`` object; ``validate`` raises ValueError naming
+the offending field, so the HTTP layer can answer 400 and the Engine raises before anything is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+GREEDY_EPS = 1e-6
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        aliases = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
+        for old, new in aliases.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
+            else:
+                d.pop(old, None)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {unknown}")
+        d = {k: v for k, v in d.items() if v is not None}
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        if isinstance(d.get("stop_token_ids"), int):
+            d["stop_token_ids"] = [d["stop_token_ids"]]
+        for kind in ("json_schema", "structural_tag"):
+            if isinstance(d.get(kind), dict):
+                import json
+
+                d[kind] = json.dumps(d[kind])
+        params = cls(**d)
+        params.validate()
+        return params
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, vocab_size: int | None = None) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {msg}")
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens",
+             f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        need(is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens",
+             f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+             f"({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        need(is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature",
+             f"must be a number in [0, 100], got {self.temperature!r}")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+             f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        need(is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        need(is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"must be in [-2, 2], got {self.presence_penalty!r}")
+        need(is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+             f"must be in (0, 2], got {self.repetition_penalty!r}")
+        need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be a non-empty string or a list of non-empty strings")
+        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "must be a list of token ids")
+        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        need(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        need(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias: keys must be token ids and values numbers") from None
+        need(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias",
+             "biases must be in [-100, 100]")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        grammars = [g for g in GRAMMAR_KINDS if getattr(self, g) is not None]
+        need(len(grammars) <= 1, grammars[-1] if grammars else "json_schema",
+             f"only one of json_schema, regex, ebnf and structural_tag may be given, got {grammars}")
+        for g in grammars:
+            need(isinstance(getattr(self, g), str), g, "must be a string")
+        if vocab_size is not None:
+            bad = [t for t in list(self.logit_bias) + self.stop_token_ids if not 0 <= t < vocab_size]
+            need(not bad, "logit_bias" if any(t in self.logit_bias for t in bad) else "stop_token_ids",
+                 f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraint, if any."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None

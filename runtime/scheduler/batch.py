@@ -1,0 +1,70 @@
+"""From a step's plans to a ForwardBatch, and which logits rows each request needs back.
+
+Decodes are plans with ``extend == 1``; prefill chunks have larger extends. Every plan's KV slots are
+already allocated (``req.kv_len`` counts them), so the new tokens of a plan are
+``req.tokens[kv_len - extend : kv_len]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.executor.model_runner import ModelRunner
+from runtime.scheduler.admission import PrefillPlan
+
+
+@dataclass
+class PromptLogprobRows:
+    plan: int  # index into plans
+    positions: list[int]  # prompt position p whose logits give the logprob of token p + 1
+    rows: list[int]  # rows of the logits tensor holding them
+
+
+@dataclass
+class StepBatch:
+    plans: list[PrefillPlan]
+    forward: ForwardBatch
+    logit_rows: torch.Tensor
+    sample_rows: dict[int, int] = field(default_factory=dict)  # plan index -> logits row
+    prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+
+def build_step(plans: list[PrefillPlan], runner: ModelRunner) -> StepBatch:
+    input_ids: list[list[int]] = []
+    prefix_lens: list[int] = []
+    rows: list[int] = []
+    token_rows: list[int] = []
+    token_pos: list[int] = []
+    logit_rows: list[int] = []
+    sample_rows: dict[int, int] = {}
+    prompt_rows: list[PromptLogprobRows] = []
+    offset = 0
+    for i, plan in enumerate(plans):
+        req = plan.req
+        assert req.kv is not None
+        end = req.kv_len
+        start = end - plan.extend
+        input_ids.append(req.tokens[start:end].tolist())
+        prefix_lens.append(start)
+        rows.append(req.kv.row)
+        token_rows.extend([req.kv.row] * plan.extend)
+        token_pos.extend(range(start, end))
+        if req.wants_prompt_logprobs:
+            lo = max(start, req.prompt_logprob_start - 1, 0)
+            hi = min(end, len(req.input_ids) - 1)  # the last prompt position predicts the first output
+            if hi > lo:
+                positions = list(range(lo, hi))
+                prompt_rows.append(PromptLogprobRows(
+                    i, positions, list(range(len(logit_rows), len(logit_rows) + len(positions)))))
+                logit_rows.extend(offset + p - start for p in positions)
+        if end >= req.fill_len:
+            sample_rows[i] = len(logit_rows)
+            logit_rows.append(offset + plan.extend - 1)
+        offset += plan.extend
+    table = runner.req_to_token.table
+    out_cache_loc = table[torch.tensor(token_rows), torch.tensor(token_pos)]
+    fb = build_forward_batch(input_ids, prefix_lens, rows, out_cache_loc, runner.kv, table, runner.device)
+    return StepBatch(plans, fb, torch.tensor(logit_rows, dtype=torch.int64), sample_rows, prompt_rows)

@@ -1,0 +1,43 @@
+"""Counters the scheduler keeps for logs, /get_server_info and /metrics."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    finished: int = 0
+    retractions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_seconds: float = 0.0
+    # (time, decode tokens) of recent steps, for a moving throughput figure
+    _recent: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def record_step(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.decode_tokens += decodes
+        self.prefill_tokens += prefill_tokens
+        self.forward_seconds += seconds
+        self._recent.append((time.perf_counter(), decodes))
+
+    def decode_throughput(self) -> float:
+        if len(self._recent) < 2:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return sum(n for _, n in list(self._recent)[1:]) / span if span > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "finished_requests": self.finished,
+            "retractions": self.retractions,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "forward_seconds": round(self.forward_seconds, 3),
+            "decode_tokens_per_s": round(self.decode_throughput(), 2),
+        }

@@ -1,0 +1,43 @@
+"""When a request is done: stop tokens, end of sequence, length limits, stop strings, grammar end.
+
+Stop strings are checked on the decoded tail of the output (just long enough to hold the longest stop
+string), so a string split across several tokens is still caught; the text itself is trimmed later by
+the detokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.messages import FinishReason
+from runtime.scheduler.req import Req
+
+TAIL_SLACK_TOKENS = 4
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Any, context_length: int):
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+
+    def check(self, req: Req) -> FinishReason | None:
+        sp = req.sampling
+        n = len(req.output_ids)
+        last = req.output_ids[-1]
+        may_stop = n >= sp.min_new_tokens
+        if may_stop and (last in sp.stop_token_ids or (not sp.ignore_eos and last in req.eos_ids)):
+            return FinishReason("stop", matched=last)
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason("stop", matched=None)
+        if n >= sp.max_new_tokens:
+            return FinishReason("length", length=n)
+        if len(req.tokens) >= self.context_length:
+            return FinishReason("length", length=n)
+        if sp.stop and may_stop:
+            longest = max(len(s) for s in sp.stop)
+            tail_ids = req.output_ids[-(longest + TAIL_SLACK_TOKENS) :]
+            tail = self.tokenizer.decode(tail_ids, skip_special_tokens=sp.skip_special_tokens)
+            for s in sp.stop:
+                if s in tail:
+                    return FinishReason("stop", matched=s)
+        return None

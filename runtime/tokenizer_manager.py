@@ -1,0 +1,193 @@
+"""TokenizerManager: the main process's side of every request.
+
+It tokenizes prompts and renders chat templates, checks lengths against the context, sends
+``TokenizedRequest`` messages to the scheduler, and resolves each request's handle as the detokenizer's
+``BatchStrOut`` messages arrive (one receive loop for all requests). It also carries control queries
+(server info, cache flush) and keeps the scheduler's latest status for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.config import ServerArgs
+from runtime.generate_input import SingleRequest, check_single
+from runtime.ipc import Endpoints, decode, encode
+from runtime.messages import (
+    AbortRequest,
+    BatchStrOut,
+    ControlReply,
+    ControlRequest,
+    SchedulerStatus,
+    TokenizedRequest,
+)
+from runtime.request_state import RequestState
+from runtime.tokenizer_utils import apply_chat_template, load_chat_template
+
+logger = logging.getLogger(__name__)
+CONTROL_TIMEOUT = 120.0
+
+
+class ServerUnavailable(RuntimeError):
+    """A child process died: the server can no longer serve (HTTP 503)."""
+
+
+class ReqHandle:
+    def __init__(self, single: SingleRequest, stream: bool):
+        self.single = single
+        self.stream = stream
+        self.state = RequestState(single.rid)
+        self.changed = asyncio.Event()
+        self.failed: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.single.rid
+
+    @property
+    def done(self) -> bool:
+        return self.state.finished is not None or self.failed is not None
+
+    async def updates(self) -> AsyncIterator[RequestState]:
+        """The state after each change, until the request finishes."""
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            if self.failed is not None:
+                raise ServerUnavailable(self.failed)
+            yield self.state
+            if self.state.finished is not None:
+                return
+
+    async def result(self) -> RequestState:
+        async for _ in self.updates():
+            pass
+        return self.state
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints, model_info: dict[str, Any]):
+        from runtime.models.loader import load_tokenizer
+
+        self.args = args
+        self.model_info = model_info
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.chat_template = load_chat_template(args.chat_template)
+        self.context_length = int(model_info["context_length"])
+        self.vocab_size = int(model_info["vocab_size"])
+        self.endpoints = endpoints
+        self.handles: dict[str, ReqHandle] = {}
+        self.status: SchedulerStatus | None = None
+        self.dead: str | None = None
+        self._controls: dict[str, asyncio.Future[ControlReply]] = {}
+        self.on_output: Any = None  # callback(handle, previous_completion_tokens) for metrics
+        self._ctx: zmq.asyncio.Context | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._to_sched = self._ctx.socket(zmq.PUSH)
+        self._to_sched.setsockopt(zmq.LINGER, 0)
+        self._to_sched.connect(self.endpoints.scheduler)
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(self.endpoints.tokenizer)
+        self._task = asyncio.create_task(self._recv_loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        if self._ctx:
+            self._ctx.destroy(linger=0)
+
+    def mark_dead(self, reason: str) -> None:
+        """A child process died: fail every pending request and refuse new ones."""
+        self.dead = reason
+        for handle in list(self.handles.values()):
+            handle.failed = reason
+            handle.changed.set()
+        self.handles.clear()
+        for fut in self._controls.values():
+            if not fut.done():
+                fut.set_exception(ServerUnavailable(reason))
+
+    # ------------------------------------------------------------------ tokenization
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text).input_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages, template=self.chat_template, **kwargs)
+
+    def prepare(self, single: SingleRequest) -> None:
+        """Tokenize and check one request; raises ValueError (naming the field) for a bad one."""
+        if single.input_ids is None:
+            assert single.text is not None
+            single.input_ids = self.tokenize(single.text)
+        check_single(single, self.vocab_size, self.context_length)
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, single: SingleRequest, stream: bool, checked: bool = False) -> ReqHandle:
+        """Send one request to the scheduler (``checked``: ``prepare`` already ran on it)."""
+        if self.dead:
+            raise ServerUnavailable(self.dead)
+        if single.rid in self.handles:
+            raise ValueError(f"rid: request id {single.rid!r} is already in use")
+        if not checked:
+            self.prepare(single)
+        handle = ReqHandle(single, stream)
+        self.handles[single.rid] = handle
+        assert single.input_ids is not None
+        await self._to_sched.send(encode(TokenizedRequest(
+            single.rid, single.input_ids, single.sampling, single.return_logprob, single.logprob_start_len,
+            single.top_logprobs_num, stream, single.cache_salt)))
+        return handle
+
+    async def abort(self, rid: str, message: str = "aborted by request") -> None:
+        if self.dead:
+            return
+        await self._to_sched.send(encode(AbortRequest(rid, message)))
+
+    async def control(self, kind: str) -> ControlReply:
+        if self.dead:
+            raise ServerUnavailable(self.dead)
+        req_id = uuid.uuid4().hex
+        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._controls[req_id] = fut
+        try:
+            await self._to_sched.send(encode(ControlRequest(req_id, kind)))
+            return await asyncio.wait_for(fut, CONTROL_TIMEOUT)
+        finally:
+            self._controls.pop(req_id, None)
+
+    # ------------------------------------------------------------------ receive loop
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = decode(await self._inbox.recv())
+            if isinstance(msg, BatchStrOut):
+                now = time.perf_counter()
+                for item in msg.outputs:
+                    handle = self.handles.get(item.out.rid)
+                    if handle is None:
+                        continue
+                    before = handle.state.completion_tokens
+                    handle.state.update(item.out, item.text)
+                    if self.on_output is not None:
+                        self.on_output(handle, before, now)
+                    if item.out.finished is not None:
+                        del self.handles[item.out.rid]
+                    handle.changed.set()
+            elif isinstance(msg, SchedulerStatus):
+                self.status = msg
+            elif isinstance(msg, ControlReply):
+                fut = self._controls.get(msg.req_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)

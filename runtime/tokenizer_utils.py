@@ -1,0 +1,50 @@
+"""Tokenizer helpers shared by the TokenizerManager and the Engine: end-of-sequence ids and chat templates."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: str | Path) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's EOS, the config's and generation_config.json's."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(hf_config, "eos_token_id", None))
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+    return frozenset(ids)
+
+
+def load_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"chat_template: file {file} does not exist")
+    return file.read_text()
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *, template: str | None = None,
+                        tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+    """Render ``messages`` with the model's chat template and tokenize them (no extra special tokens)."""
+    if getattr(tokenizer, "chat_template", None) is None and template is None:
+        raise ValueError("messages: this model has no chat template; use /v1/completions or /generate")
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message, **kwargs,
+    )
+    return list(tokenizer(rendered, add_special_tokens=False).input_ids)

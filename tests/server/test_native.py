@@ -1,0 +1,225 @@
+"""The SGLang-native API of a real server process, and the server's process lifecycle."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, pid_alive
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def sse_frames(resp) -> list:
+    frames = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            frames.append(payload if payload == "[DONE]" else json.loads(payload))
+    return frames
+
+
+def wait_idle(server, timeout=20.0):
+    deadline = time.time() + timeout
+    info = {}
+    while time.time() < deadline:
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"server not idle: {info}")
+
+
+def test_generate_fields(tiny_server):
+    r = post(tiny_server, "/generate", {"text": "Hello world, this is", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0}, "rid": "fields-1"})
+    assert r.status_code == 200
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "fields-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["completion_tokens"] == 6 == len(out["output_ids"])
+    assert meta["prompt_tokens"] > 0 and isinstance(meta["cached_tokens"], int)
+
+
+def test_batch_input_ids_and_logprobs(tiny_server):
+    r = post(tiny_server, "/generate", {
+        "input_ids": [[11, 12, 13, 14], [21, 22, 23]],
+        "sampling_params": [{"max_new_tokens": 2, "temperature": 0}, {"max_new_tokens": 3, "temperature": 0}],
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+    })
+    assert r.status_code == 200
+    a, b = r.json()
+    assert len(a["output_ids"]) == 2 and len(b["output_ids"]) == 3
+    inp = a["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in inp] == [11, 12, 13, 14] and inp[0][0] is None
+    assert all(isinstance(e[2], str) for e in inp)
+    outp = a["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in outp] == a["output_ids"] and all(e[0] <= 0 for e in outp)
+    assert len(a["meta_info"]["output_top_logprobs"][0]) == 2
+
+
+def test_streaming_frames_are_cumulative(tiny_server):
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    full = post(tiny_server, "/generate", body).json()
+    with httpx.stream("POST", tiny_server.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        frames = sse_frames(r)
+    assert frames[-1] == "[DONE]"
+    texts = [f["text"] for f in frames[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == full["text"]
+    assert frames[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
+def test_prefill_only_then_shared_prefix_hits(tiny_server):
+    prefix = "The following is a long shared system prompt. " * 12
+    r = post(tiny_server, "/generate", {"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 0
+    n = r.json()["meta_info"]["prompt_tokens"]
+    r = post(tiny_server, "/generate", {"text": prefix + "And now a question?",
+                                         "sampling_params": {"max_new_tokens": 2}})
+    assert r.json()["meta_info"]["cached_tokens"] >= n - 1
+
+
+def test_server_info_health_flush_metrics(tiny_server):
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+    assert httpx.get(tiny_server.url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(tiny_server.url + "/get_model_info").json()
+    assert info["is_generation"] and info["context_length"] > 0 and info["model_path"]
+    wait_idle(tiny_server)
+    r = post(tiny_server, "/flush_cache", {})
+    assert r.status_code == 200
+    info = wait_idle(tiny_server)
+    kv = info["kv"]
+    assert kv["free"] + kv["evictable"] + kv["protected"] + kv["private"] == kv["capacity"]
+    assert info["cache"]["cached_tokens"] == 0 and info["max_total_tokens"] == 32768
+    post(tiny_server, "/generate", {"text": "metrics please", "sampling_params": {"max_new_tokens": 2}})
+    time.sleep(0.7)  # let the scheduler push a status update
+    m = httpx.get(tiny_server.url + "/metrics").text
+    for name in ("radixserve_num_running_reqs", "radixserve_num_queue_reqs", "radixserve_token_usage",
+                 "radixserve_cache_hit_rate", "radixserve_time_to_first_token_seconds_bucket",
+                 "radixserve_inter_token_latency_seconds_bucket", "radixserve_generation_tokens_total"):
+        assert name in m, name
+
+
+def test_abort_request_endpoint(tiny_server):
+    import threading
+
+    result = {}
+
+    def run():
+        result["r"] = post(tiny_server, "/generate", {"text": "abort me", "rid": "to-abort", "sampling_params": {
+            "max_new_tokens": 3000, "ignore_eos": True}})
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    assert post(tiny_server, "/abort_request", {"rid": "to-abort"}).status_code == 200
+    t.join(30)
+    assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(tiny_server, "/abort_request", {}).status_code == 400
+    wait_idle(tiny_server)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnected_client_frees_its_kv(tiny_server, stream):
+    body = {"text": "a client that leaves " * 20, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+            "stream": stream}
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", tiny_server.port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        if stream:
+            sock.recv(100)  # the stream has started
+        else:
+            time.sleep(0.5)
+        busy = httpx.get(tiny_server.url + "/get_server_info", timeout=30).json()
+        assert busy["num_running_reqs"] == 1 and busy["kv"]["private"] > 0
+    info = wait_idle(tiny_server)  # the close aborted it within a step or two
+    assert info["kv"]["private"] == 0 and info["kv"]["protected"] == 0
+
+
+def test_bad_native_inputs_get_4xx_and_server_stays_healthy(tiny_server):
+    cases = [
+        (b"{not json", 400),
+        (json.dumps([1, 2]).encode(), 400),
+        (json.dumps({"sampling_params": {}}).encode(), 400),
+        (json.dumps({"text": 5}).encode(), 400),
+        (json.dumps({"text": "x", "input_ids": [1]}).encode(), 400),
+        (json.dumps({"text": "x", "sampling_params": {"temperature": "hot"}}).encode(), 400),
+        (json.dumps({"text": "x", "sampling_params": {"top_p": 1.5}}).encode(), 400),
+        (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 10**6}}).encode(), 400),
+        (json.dumps({"text": "x", "sampling_params": {"n": 100000}}).encode(), 400),
+        (json.dumps({"input_ids": [10**9]}).encode(), 400),
+        (json.dumps({"text": "x", "stream": "yes"}).encode(), 400),
+        (json.dumps({"text": ["a", "b"], "sampling_params": [{}]}).encode(), 400),
+    ]
+    for body, status in cases:
+        r = httpx.post(tiny_server.url + "/generate", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"] == "invalid_request_error"
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+    ok = post(tiny_server, "/generate", {"text": "still fine", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def test_sigterm_stops_every_process(tiny_model_dir):
+    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
+    kids = server.children()
+    assert len(kids) >= 2
+    assert server.stop(signal.SIGTERM) == 0
+    deadline = time.time() + 10
+    while any(pid_alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(k) for k in kids), "no orphan processes"
+
+
+def test_scheduler_death_gives_503_and_nonzero_exit(tiny_model_dir):
+    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
+    kids = server.children()
+    sched = [k for k in kids if "scheduler" in open(f"/proc/{k}/cmdline").read()
+             or "spawn" in open(f"/proc/{k}/cmdline").read()]
+    assert sched
+    # the scheduler is the child that owns the model: pick the one holding the most memory
+    target = max(kids, key=lambda k: int(open(f"/proc/{k}/statm").read().split()[1]))
+    os.kill(target, signal.SIGKILL)
+    assert server.proc is not None
+    server.proc.wait(30)
+    assert server.proc.returncode != 0
+    deadline = time.time() + 10
+    while any(pid_alive(k) for k in kids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(k) for k in kids)
+
+
+def test_requests_get_503_once_a_child_died(tiny_model_dir):
+    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
+    kids = server.children()
+    target = max(kids, key=lambda k: int(open(f"/proc/{k}/statm").read().split()[1]))
+    os.kill(target, signal.SIGKILL)
+    codes = set()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            r = httpx.post(server.url + "/generate", json={"text": "hi"}, timeout=5)
+            codes.add(r.status_code)
+            if r.status_code == 503:
+                break
+        except httpx.HTTPError:
+            break  # the server already exited
+        time.sleep(0.05)
+    assert server.proc is not None
+    server.proc.wait(30)
+    assert server.proc.returncode != 0
+    assert 200 not in codes or 503 in codes
