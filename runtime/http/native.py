@@ -13,7 +13,15 @@ from fastapi.responses import Response, StreamingResponse
 
 from runtime.generate_input import SingleRequest, expand
 from runtime.http.errors import APIError, error_response, parse_json
-from runtime.http.requests import DONE, abort_unfinished, merged_updates, sse, submit_all, wait_all
+from runtime.http.requests import (
+    DONE,
+    ClientDisconnected,
+    abort_unfinished,
+    merged_updates,
+    sse,
+    submit_all,
+    wait_all,
+)
 from runtime.sampling_params import SamplingParams
 from runtime.tokenizer_manager import ReqHandle, TokenizerManager
 
@@ -55,7 +63,10 @@ async def generate(request: Request) -> Response:
     token_text = (lambda t: tm.tokenizer.decode([t])) if text_in_lp else None
     if stream:
         return StreamingResponse(_stream(tm, handles, is_batch, token_text), media_type="text/event-stream")
-    states = await wait_all(tm, request, handles)
+    try:
+        states = await wait_all(tm, request, handles)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; the requests were aborted
     for st in states:
         fin = st.finished
         if fin is not None and fin.type == "abort" and fin.status_code:

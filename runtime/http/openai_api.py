@@ -1,5 +1,349 @@
-"""OpenAI-compatible endpoints (being written)."""
+"""OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
 
-from fastapi import APIRouter
+Each call becomes one ``SingleRequest`` per choice (prompt-major: choice ``index = prompt_index * n + j``),
+submitted through the TokenizerManager like ``/generate``. Non-streaming calls wait for all of them
+(a disconnected client aborts them); streaming calls send SSE chunks built from each choice's cumulative
+text, sending only what is new, and abort what is unfinished when the client goes away.
+
+Chat requests go through two seams meant for tool calling and constrained output: ``chat_inputs``
+(request -> prompt ids and SamplingParams: template arguments, grammar) and ``assistant_output``
+(generated text -> assistant message / stream deltas, finish reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from runtime.generate_input import SingleRequest
+from runtime.http.errors import APIError
+from runtime.http.openai_format import (
+    AssistantOutput,
+    ChoiceStream,
+    Envelope,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    json_response,
+    merge_delta,
+    new_id,
+    now,
+    pad,
+    raise_if_rejected,
+    renamed,
+    respond,
+    usage,
+    visible_output_len,
+)
+from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtime.http.requests import submit_all
+from runtime.request_state import RequestState
+from runtime.sampling_params import SamplingParams
+from runtime.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---------------------------------------------------------------------- shared helpers
+def tm_of(request: Request) -> TokenizerManager:
+    return request.app.state.tm
+
+
+async def read_request(request: Request, model: type[M]) -> M:
+    """Parse and validate the body; invalid JSON and wrong types are 400s (RequestValidationError)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
+            raise APIError(400, "the request body must be a JSON object") from None
+        raise RequestValidationError(errors) from None
+
+
+def served_model(request: Request, name: str | None) -> str:
+    served: str = request.app.state.served_model_name
+    if name is None or name in (served, "default"):
+        return served
+    raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}' "
+                   "(alias 'default').", "model", "model_not_found")
+
+
+def make_sampling(fields: dict[str, Any], vocab_size: int, names: dict[str, str]) -> SamplingParams:
+    try:
+        sp = SamplingParams.from_dict(fields)
+        sp.validate(vocab_size)
+        return sp
+    except ValueError as exc:
+        raise renamed(exc, names) from None
+
+
+def check_length(n_prompt: int, max_tokens: int, context: int, name: str) -> None:
+    if n_prompt + max_tokens > context:
+        raise APIError(400, f"{name}: the prompt has {n_prompt} tokens and {name} is {max_tokens}, "
+                       f"{n_prompt + max_tokens} in all, over the model's context length of {context}; "
+                       f"lower {name} or shorten the prompt", name)
+
+
+def fan_out(tm: TokenizerManager, prompts: list[list[int]], sp: SamplingParams, req: SamplingFields, *,
+            return_logprob: bool = False, logprob_start_len: int = -1, top: int = 0) -> list[SingleRequest]:
+    """One SingleRequest per choice, prompt-major; sample j of a seeded request uses seed + j."""
+    limit = tm.args.max_running_requests
+    if req.n > limit:
+        raise APIError(400, f"n: at most {limit} choices per request, got {req.n}", "n")
+    if isinstance(req.rid, list):
+        if len(req.rid) != len(prompts):
+            raise APIError(400, f"rid: {len(prompts)} prompts need {len(prompts)} rids, got {len(req.rid)}",
+                           "rid")
+        bases = list(req.rid)
+    else:
+        base = req.rid or uuid.uuid4().hex
+        bases = [base] if len(prompts) == 1 else [f"{base}-{p}" for p in range(len(prompts))]
+    out: list[SingleRequest] = []
+    for ids, base in zip(prompts, bases):
+        for j in range(req.n):
+            rid = base if req.n == 1 else f"{base}-{j}"
+            if rid in tm.handles or any(s.rid == rid for s in out):
+                raise APIError(400, f"rid: request id {rid!r} is already in use", "rid")
+            seed = None if sp.seed is None else sp.seed + j
+            child = dataclasses.replace(sp, n=1, seed=seed)
+            out.append(SingleRequest(rid, None, list(ids), child, return_logprob, logprob_start_len, top,
+                                     req.cache_salt))
+    return out
+
+
+def token_text(request: Request) -> TokenText:
+    tt = getattr(request.app.state, "openai_token_text", None)
+    if tt is None:
+        tt = request.app.state.openai_token_text = TokenText(tm_of(request).tokenizer)
+    return tt
+
+
+# ---------------------------------------------------------------------- /v1/models
+STARTED = now()
+
+
+def model_card(request: Request) -> dict[str, Any]:
+    return {"id": request.app.state.served_model_name, "object": "model", "created": STARTED,
+            "owned_by": "radixserve", "max_model_len": tm_of(request).context_length}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [model_card(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    served_model(request, model_id)
+    return json_response(model_card(request))
+
+
+# ---------------------------------------------------------------------- /v1/completions
+def completion_prompts(tm: TokenizerManager, prompt: Any, echo: bool) -> tuple[list[str], list[list[int]]]:
+    """(prompt texts for echo, token ids) of each prompt."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        return list(prompt), [tm.tokenize(p) for p in prompt]
+    return [tm.tokenizer.decode(ids) if echo else "" for ids in prompt], [list(ids) for ids in prompt]
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    tm = tm_of(request)
+    req = await read_request(request, CompletionRequest)
+    model = served_model(request, req.model)
+    if req.suffix:
+        raise APIError(400, "suffix: inserting text before a suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of: only best_of equal to n is supported (server-side ranking is not), "
+                       f"got best_of={req.best_of} and n={req.n}", "best_of")
+    texts, prompts = completion_prompts(tm, req.prompt, req.echo)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
+             "text": "prompt"}
+    sp = make_sampling({**req.sampling_dict(), "max_new_tokens": max_tokens}, tm.vocab_size, names)
+    for ids in prompts:
+        check_length(len(ids), max_tokens, tm.context_length, "max_tokens")
+    k, n, echo = req.logprobs, req.n, req.echo
+    singles = fan_out(tm, prompts, sp, req, return_logprob=k is not None,
+                      logprob_start_len=0 if echo and k is not None else -1, top=k or 0)
+    try:
+        handles = await submit_all(tm, singles, req.stream)
+    except ValueError as exc:
+        raise renamed(exc, names) from None
+    env = Envelope(new_id("cmpl", req.rid if isinstance(req.rid, str) else None), model, req.include_usage)
+    tt = token_text(request)
+    streams = [ChoiceStream() for _ in handles]
+
+    def logprobs(st: RequestState, c: ChoiceStream | None) -> dict[str, Any] | None:
+        """All of them (non-streaming, ``c`` None) or the ones ``c`` has not sent yet."""
+        if k is None:
+            return None
+        n_out = visible_output_len(st, sp) if st.finished else len(st.output_logprobs)
+        n_in = len(st.input_logprobs) if echo else 0
+        in_from, out_from = (c.in_sent, c.lp_sent) if c else (0, 0)
+        entries = st.input_logprobs[in_from:n_in] + st.output_logprobs[out_from:n_out]
+        tops = pad(st.input_top, n_in)[in_from:] + pad(st.output_top, n_out)[out_from:]
+        if c is None:
+            return completion_logprobs(entries, tops, k, tt)
+        c.in_sent, c.lp_sent = n_in, max(out_from, n_out)
+        if not entries:
+            return None
+        lp = completion_logprobs(entries, tops, k, tt, c.offset)
+        c.offset += sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def build(states: list[RequestState]) -> dict[str, Any]:
+        choices = [{"index": i, "text": (texts[i // n] if echo else "") + st.text,
+                    "logprobs": logprobs(st, None), "finish_reason": finish_reason(st)}
+                   for i, st in enumerate(states)]
+        return env.wrap("text_completion", choices, usage=usage(states, n))
+
+    def chunk(i: int, st: RequestState) -> dict[str, Any] | None:
+        c = streams[i]
+        if c.done:
+            return None
+        text = c.new_text(st)
+        if echo and not c.started:
+            text = texts[i // n] + text
+        c.started = True
+        lp = logprobs(st, c)
+        if st.finished is not None:
+            raise_if_rejected(st, names)
+            c.done = True
+        elif not text and lp is None:
+            return None
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(st)}
+
+    return await respond(request, tm, handles, req.stream, build, chunk, env, "text_completion", n, names)
+
+
+# ---------------------------------------------------------------------- /v1/chat/completions
+def response_format_schema(req: ChatCompletionRequest) -> str | None:
+    """The JSON schema (as text) that ``response_format`` asks for, if any."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format.json_schema.schema: a json_schema response format needs "
+                       "a schema", "response_format.json_schema.schema")
+    return json.dumps(fmt.json_schema.schema_)
+
+
+def chat_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """Runtime field names -> this chat request's names (for error messages)."""
+    fmt = req.response_format
+    return {"max_new_tokens": req.max_output[0], "min_new_tokens": "min_tokens", "input_ids": "messages",
+            "text": "messages", "json_schema": "json_schema" if fmt is None or fmt.type == "text" else
+            "response_format"}
+
+
+def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """The prompt (the messages through the chat template) and the sampling parameters of a chat request."""
+    for i, m in enumerate(req.messages):
+        if m.content is None and m.role != "assistant":
+            raise APIError(400, f"messages.{i}.content: a {m.role} message needs content",
+                           f"messages.{i}.content")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+    try:
+        ids = tm.render_chat([m.template_dict() for m in req.messages],
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message, **req.template_kwargs())
+    except Exception as exc:  # the template is the model's; what fails in it is these messages
+        message = str(exc)
+        if not message.startswith("messages"):
+            message = f"messages: the chat template failed: {message}"
+        raise APIError(400, message, "messages") from None
+    ctx = tm.context_length
+    if len(ids) >= ctx:
+        raise APIError(400, f"messages: the prompt has {len(ids)} tokens; the model's context length "
+                       f"is {ctx}", "messages")
+    name, limit = req.max_output
+    if limit is None:
+        limit = ctx - len(ids)
+    check_length(len(ids), limit, ctx, name)
+    fields = {**req.sampling_dict(), "max_new_tokens": limit}
+    schema = response_format_schema(req)
+    if schema is not None:
+        if req.json_schema is not None or req.regex is not None or req.ebnf is not None:
+            raise APIError(400, "response_format: give either response_format or one of json_schema, regex "
+                           "and ebnf", "response_format")
+        fields["json_schema"] = schema
+    return ids, make_sampling(fields, tm.vocab_size, chat_names(req))
+
+
+def assistant_output(req: ChatCompletionRequest) -> AssistantOutput:
+    """How one choice's text becomes the assistant's message (a tool-call parser plugs in here)."""
+    return AssistantOutput()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    tm = tm_of(request)
+    req = await read_request(request, ChatCompletionRequest)
+    model = served_model(request, req.model)
+    ids, sp = chat_inputs(tm, req)
+    names = chat_names(req)
+    k = req.top_logprobs or 0
+    singles = fan_out(tm, [ids], sp, req, return_logprob=req.logprobs, top=k)
+    try:
+        handles = await submit_all(tm, singles, req.stream)
+    except ValueError as exc:
+        raise renamed(exc, names) from None
+    rid = req.rid if isinstance(req.rid, str) else None
+    env = Envelope(new_id("chatcmpl", rid), model, req.include_usage)
+    tt = token_text(request)
+    streams = [ChoiceStream(post=assistant_output(req)) for _ in handles]
+
+    def logprobs(st: RequestState, start: int, end: int) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return chat_logprobs(st.output_logprobs[start:end], pad(st.output_top, end)[start:], k, tt)
+
+    def build(states: list[RequestState]) -> dict[str, Any]:
+        choices = []
+        for i, st in enumerate(states):
+            post = streams[i].post
+            choices.append({"index": i, "message": post.message(st.text),
+                            "logprobs": logprobs(st, 0, visible_output_len(st, sp)),
+                            "finish_reason": post.finish_reason(finish_reason(st) or "stop")})
+        return env.wrap("chat.completion", choices, usage=usage(states, req.n))
+
+    def chunk(i: int, st: RequestState) -> dict[str, Any] | None:
+        c = streams[i]
+        if c.done:
+            return None
+        delta = c.post.delta(c.new_text(st))
+        if not c.started:
+            delta = merge_delta({"role": "assistant", "content": ""}, delta)
+            c.started = True
+        end = visible_output_len(st, sp) if st.finished else len(st.output_logprobs)
+        lp = logprobs(st, c.lp_sent, end) if end > c.lp_sent else None
+        c.lp_sent = max(c.lp_sent, end)
+        reason = None
+        if st.finished is not None:
+            raise_if_rejected(st, names)
+            delta = merge_delta(delta, c.post.finish_delta())
+            reason = c.post.finish_reason(finish_reason(st) or "stop")
+            c.done = True
+        elif not delta and lp is None:
+            return None
+        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+    return await respond(request, tm, handles, req.stream, build, chunk, env, "chat.completion.chunk", req.n,
+                         names)

@@ -29,7 +29,14 @@ async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest], str
     """Validate every request first, then send them; a bad one rejects the whole call (nothing runs)."""
     for s in singles:
         tm.prepare(s)
-    return [await tm.submit(s, stream, checked=True) for s in singles]
+    handles: list[ReqHandle] = []
+    try:
+        for s in singles:
+            handles.append(await tm.submit(s, stream, checked=True))
+    except BaseException:
+        await abort_unfinished(tm, handles, "another request of the same call was rejected")
+        raise
+    return handles
 
 
 async def abort_unfinished(tm: TokenizerManager, handles: Sequence[ReqHandle], why: str) -> None:

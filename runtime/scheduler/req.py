@@ -35,6 +35,7 @@ class Req:
 
     # logprobs not yet sent (flushed into each step's ReqOutput)
     input_logprobs_done: bool = False
+    first_input_logprob_added: bool = False  # the (None, first token) entry of logprob_start_len = 0
     pending_input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     pending_input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     pending_output_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -157,6 +157,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
+        t0 = time.perf_counter()
         self._collect_grammars()
         outputs, self._pending = self._pending, []
         self._make_decode_room()
@@ -168,7 +169,6 @@ class Scheduler:
         plans += prefills
         if not plans:
             return outputs
-        t0 = time.perf_counter()
         sb = build_step(plans, self.runner)
         logits = self.runner.forward(sb.forward, sb.logit_rows)
         outputs += self._process(sb, logits)
@@ -265,14 +265,18 @@ class Scheduler:
         return outputs
 
     def _prompt_logprobs(self, sb: StepBatch, logits: torch.Tensor) -> None:
+        for plan in sb.plans:
+            req = plan.req
+            if req.wants_prompt_logprobs and req.prompt_logprob_start == 0 and not req.first_input_logprob_added:
+                # the first prompt token has no context, so no logprob (SGLang reports None)
+                req.pending_input_logprobs.append((None, req.tokens[0]))
+                req.pending_input_top.append(None)
+                req.first_input_logprob_added = True
         for pr in sb.prompt_rows:
             req = sb.plans[pr.plan].req
             logp = torch.log_softmax(logits[pr.rows[0] : pr.rows[-1] + 1], dim=-1)
             targets = torch.tensor([req.tokens[p + 1] for p in pr.positions])
             vals = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-            if not req.pending_input_logprobs and req.prompt_logprob_start == 0:
-                req.pending_input_logprobs.append((None, req.tokens[0]))
-                req.pending_input_top.append(None)
             for j, p in enumerate(pr.positions):
                 req.pending_input_logprobs.append((vals[j], req.tokens[p + 1]))
                 if req.top_logprobs_num:

@@ -17,6 +17,8 @@ class SchedulerStats:
     forward_seconds: float = 0.0
     # (time, decode tokens) of recent steps, for a moving throughput figure
     _recent: deque = field(default_factory=lambda: deque(maxlen=64))
+    # (batch size, seconds) of recent decode-only steps: the per-step cost benchmarks report
+    decode_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def record_step(self, decodes: int, prefill_tokens: int, seconds: float) -> None:
         self.steps += 1
@@ -24,6 +26,8 @@ class SchedulerStats:
         self.prefill_tokens += prefill_tokens
         self.forward_seconds += seconds
         self._recent.append((time.perf_counter(), decodes))
+        if prefill_tokens == 0 and decodes:
+            self.decode_steps.append((decodes, seconds))
 
     def decode_throughput(self) -> float:
         if len(self._recent) < 2:

@@ -1,0 +1,204 @@
+"""Pydantic models of the OpenAI-compatible requests (``/v1/completions``, ``/v1/chat/completions``).
+
+Validation is strict (JSON types are not coerced: ``"1"`` is not a number, ``true`` is not an integer), so
+a wrong type is a 400 through the app's RequestValidationError handler. Unknown fields are accepted and
+ignored, as OpenAI clients send many optional ones; SGLang's sampling extensions (``top_k``, ``min_p``,
+``regex``, ``cache_salt``, ``rid``, ...) are honoured. Ranges are OpenAI's; the remaining checks (token
+ids in the vocabulary, the context length, ``n`` against the server's limits) happen in ``openai_api``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _invalid(kind: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(kind, message)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        """``"field": null`` means the default, as OpenAI treats it (``"n": null`` is n = 1)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields both endpoints share: OpenAI's sampling parameters and SGLang's extensions."""
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1)
+    stop: Any = None  # a string or a list of strings (checked below)
+    seed: int | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    cache_salt: str | None = None
+    rid: str | list[str] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise _invalid("stop_type", "must be a string or a list of strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_dict(self) -> dict[str, Any]:
+        """The shared fields in SamplingParams' names (None: the SamplingParams default)."""
+        top_p, top_k = self.top_p, self.top_k
+        if top_p == 0:  # the limit of top-p sampling: keep only the most likely token
+            top_p, top_k = 1.0, 1
+        fields = {
+            "stop": self.stop, "seed": self.seed, "temperature": self.temperature, "top_p": top_p,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias, "top_k": top_k, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty, "min_new_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": self.skip_special_tokens, "no_stop_trim": self.no_stop_trim,
+            "regex": self.regex, "json_schema": self.json_schema, "ebnf": self.ebnf,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]] (checked below)
+    max_tokens: int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(p, str) for p in v):
+                return v
+            if all(_is_int(t) for t in v):
+                return v
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+                return v
+        if isinstance(v, list) and not v:
+            raise _invalid("prompt_empty", "must not be empty")
+        raise _invalid("prompt_type", "must be a string, a list of strings, a list of token ids "
+                       "or a list of lists of token ids")
+
+
+class ChatMessage(BaseModel):
+    """One message; fields other than these (``name``, ``reasoning_content``...) go to the template as-is."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str | list of {"type": "text", "text": ...} parts | None (checked below)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise _invalid("content_type", "must be a string or a list of content parts")
+        for i, part in enumerate(v):
+            if not isinstance(part, dict):
+                raise _invalid("content_type", f"part {i} must be an object")
+            if part.get("type") != "text":
+                raise _invalid("content_part", f"part {i}: only 'text' content parts are supported, "
+                               f"got type {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise _invalid("content_part", f"part {i}: 'text' must be a string")
+        return v
+
+    def content_text(self) -> str | None:
+        """The content as one string (text parts joined with newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(p["text"] for p in self.content)
+        return self.content
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: ``developer`` becomes ``system``, content a string,
+        ``tool_calls`` / ``tool_call_id`` and any extra fields unchanged."""
+        out = self.model_dump(exclude_none=True)
+        out["role"] = "system" if self.role == "developer" else self.role
+        out["content"] = self.content_text() or ""
+        return out
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    # SGLang / transformers chat-template extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Extra variables for the chat template (``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+        reserved = {"tools", "template", "add_generation_prompt", "continue_final_message", "tokenize",
+                    "chat_template", "conversation", "messages"}
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k not in reserved}
+
+    @property
+    def max_output(self) -> tuple[str, int | None]:
+        """(field name, value) of the output limit the client gave (max_completion_tokens wins)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
