@@ -38,6 +38,13 @@ class ServerArgs:
                        ("auto", "cpu", "cuda"))
     context_length: int | None = _opt(None, "Override the model's maximum context length (tokens).")
     chat_template: str | None = _opt(None, "A Jinja chat template file to use instead of the tokenizer's.")
+    tool_call_parser: str | None = _opt(
+        None, "How the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Qwen/Hermes) or llama3 "
+        "(JSON); default: detected from the chat template, hermes when it has no tool support.",
+        ("hermes", "llama3"))
+    reasoning_parser: str | None = _opt(
+        None, "Split <think>...</think> reasoning into reasoning_content: qwen3 (the model opens <think>) or "
+        "deepseek-r1 (the prompt already opened it); default: off.", ("qwen3", "deepseek-r1"))
     # ---------------------------------------------------------------- server
     host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
     port: int = _opt(30000, "HTTP port.")

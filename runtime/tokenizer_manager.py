@@ -29,6 +29,7 @@ from runtime.messages import (
     SchedulerStatus,
     TokenizedRequest,
 )
+from runtime.parsers.tool_formats import make_tool_format
 from runtime.request_state import RequestState
 from runtime.tokenizer_utils import apply_chat_template, load_chat_template
 
@@ -81,6 +82,7 @@ class TokenizerManager:
         self.model_info = model_info
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.chat_template = load_chat_template(args.chat_template)
+        self.tool_format = make_tool_format(args.tool_call_parser, self.chat_template_text)
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
         self.endpoints = endpoints
@@ -119,6 +121,10 @@ class TokenizerManager:
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(ServerUnavailable(reason))
+
+    @property
+    def chat_template_text(self) -> str | None:
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, text: str) -> list[int]:

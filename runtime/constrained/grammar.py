@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from runtime.constrained.json_strings import strict_strings
 from runtime.sampling_params import GRAMMAR_KINDS
 
 CACHE_SIZE = 256
@@ -53,11 +54,10 @@ def validate_grammar(kind: str, text: str) -> None:
 
 
 class RequestGrammar:
-    """One request's position in its grammar, plus tokens it may never produce (``banned``)."""
+    """One request's position in its grammar."""
 
-    def __init__(self, matcher: Any, banned: torch.Tensor | None = None):
+    def __init__(self, matcher: Any):
         self.matcher = matcher
-        self.banned = banned
 
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
@@ -83,12 +83,6 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
-        # Tokens that decode to a raw control byte (U+0000..U+001F). Compact JSON never contains one
-        # outside a string and inside a string it must be escaped, but xgrammar's length-bounded string
-        # rule ([^"\\\r\n]{m,n}) lets them through; banning them keeps JSON-schema output valid JSON.
-        self.control_tokens = torch.tensor(
-            [i for i, b in enumerate(info.decoded_vocab[:vocab_size]) if b and any(c < 0x20 for c in b)],
-            dtype=torch.int64)
 
     def compile_async(self, kind: str, text: str) -> Future[Any]:
         key = (kind, text)
@@ -109,7 +103,7 @@ class GrammarBackend:
             if kind == "json_schema":
                 # Compact JSON: whitespace between tokens is fixed, so a sampler can never wander off
                 # into endless indentation (valid JSON either way; output is also easier to diff).
-                return c.compile_json_schema(text, any_whitespace=False)
+                return c.compile_json_schema(json.dumps(strict_strings(json.loads(text))), any_whitespace=False)
             if kind == "regex":
                 return c.compile_regex(text)
             if kind == "ebnf":
@@ -118,9 +112,8 @@ class GrammarBackend:
         except Exception as exc:
             raise ValueError(f"{kind}: {_clean(exc)}") from None
 
-    def matcher(self, compiled: Any, kind: str) -> RequestGrammar:
-        banned = self.control_tokens if kind == "json_schema" else None
-        return RequestGrammar(self._xgr.GrammarMatcher(compiled), banned)
+    def matcher(self, compiled: Any) -> RequestGrammar:
+        return RequestGrammar(self._xgr.GrammarMatcher(compiled))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -148,7 +141,3 @@ class GrammarMasker:
             rows[i].grammar.fill_mask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
                                               indices=idx)
-        for i in idx:
-            banned = rows[i].grammar.banned
-            if banned is not None and banned.numel():
-                logits[i, banned] = float("-inf")

@@ -43,6 +43,7 @@ from runtime.http.openai_format import (
     usage,
     visible_output_len,
 )
+from runtime.http.openai_tools import REASONING_PARSERS, ParsedOutput, tool_setup
 from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.http.requests import submit_all
 from runtime.request_state import RequestState
@@ -248,6 +249,7 @@ def chat_names(req: ChatCompletionRequest) -> dict[str, str]:
     """Runtime field names -> this chat request's names (for error messages)."""
     fmt = req.response_format
     return {"max_new_tokens": req.max_output[0], "min_new_tokens": "min_tokens", "input_ids": "messages",
+            "structural_tag": "tools",
             "text": "messages", "json_schema": "json_schema" if fmt is None or fmt.type == "text" else
             "response_format"}
 
@@ -261,9 +263,13 @@ def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     try:
-        ids = tm.render_chat([m.template_dict() for m in req.messages],
-                             add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message, **req.template_kwargs())
+        setup = tool_setup([m.template_dict() for m in req.messages], req.tools, req.tool_choice,
+                           tm.tool_format, tm.chat_template_text, req.parallel_tool_calls)
+        ids = tm.render_chat(setup.messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             **{**req.template_kwargs(), **setup.template_kwargs})
+    except APIError:
+        raise
     except Exception as exc:  # the template is the model's; what fails in it is these messages
         message = str(exc)
         if not message.startswith("messages"):
@@ -279,17 +285,24 @@ def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[
     check_length(len(ids), limit, ctx, name)
     fields = {**req.sampling_dict(), "max_new_tokens": limit}
     schema = response_format_schema(req)
+    grammars = [g for g in (schema, setup.structural_tag, req.json_schema, req.regex, req.ebnf) if g is not None]
+    if len(grammars) > 1:
+        raise APIError(400, "response_format: give only one of response_format, tools with a tool_choice, "
+                       "json_schema, regex and ebnf", "response_format")
     if schema is not None:
-        if req.json_schema is not None or req.regex is not None or req.ebnf is not None:
-            raise APIError(400, "response_format: give either response_format or one of json_schema, regex "
-                           "and ebnf", "response_format")
         fields["json_schema"] = schema
+    if setup.structural_tag is not None:
+        fields["structural_tag"] = setup.structural_tag
     return ids, make_sampling(fields, tm.vocab_size, chat_names(req))
 
 
-def assistant_output(req: ChatCompletionRequest) -> AssistantOutput:
-    """How one choice's text becomes the assistant's message (a tool-call parser plugs in here)."""
-    return AssistantOutput()
+def assistant_output(tm: TokenizerManager, req: ChatCompletionRequest) -> AssistantOutput:
+    """How one choice's text becomes the assistant's message: tool calls and reasoning split out."""
+    calls = bool(req.tools) and req.tool_choice != "none"
+    reasoning = REASONING_PARSERS.get(tm.args.reasoning_parser or "")
+    if not calls and reasoning is None:
+        return AssistantOutput()
+    return ParsedOutput(tm.tool_format if calls else None, reasoning)
 
 
 @router.post("/v1/chat/completions")
@@ -308,7 +321,7 @@ async def chat_completions(request: Request) -> Response:
     rid = req.rid if isinstance(req.rid, str) else None
     env = Envelope(new_id("chatcmpl", rid), model, req.include_usage)
     tt = token_text(request)
-    streams = [ChoiceStream(post=assistant_output(req)) for _ in handles]
+    streams = [ChoiceStream(post=assistant_output(tm, req)) for _ in handles]
 
     def logprobs(st: RequestState, start: int, end: int) -> dict[str, Any] | None:
         if not req.logprobs:

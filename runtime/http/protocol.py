@@ -185,6 +185,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None  # checked by runtime.parsers.tool_formats.check_tools (clear 400s)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True
     # SGLang / transformers chat-template extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False

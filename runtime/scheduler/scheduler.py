@@ -94,8 +94,7 @@ class Scheduler:
             if exc is not None:
                 self._finish_early(req, FinishReason("abort", message=str(exc), status_code=400))
                 continue
-            kind, _text = req.sampling.grammar or ("", "")
-            req.grammar = self._grammar_backend().matcher(fut.result(), kind)
+            req.grammar = self._grammar_backend().matcher(fut.result())
             self.waiting.append(req)
         self.compiling = still
 
