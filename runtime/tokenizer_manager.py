@@ -31,7 +31,7 @@ from runtime.messages import (
 )
 from runtime.parsers.tool_formats import make_tool_format
 from runtime.request_state import RequestState
-from runtime.tokenizer_utils import apply_chat_template, load_chat_template
+from runtime.tokenizer_utils import load_chat_template
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT = 120.0
@@ -129,9 +129,6 @@ class TokenizerManager:
     # ------------------------------------------------------------------ tokenization
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
-
-    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, template=self.chat_template, **kwargs)
 
     def prepare(self, single: SingleRequest) -> None:
         """Tokenize and check one request; raises ValueError (naming the field) for a bad one."""

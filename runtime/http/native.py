@@ -102,7 +102,7 @@ async def get_model_info(request: Request) -> Response:
         "context_length": info["context_length"],
         "vocab_size": info["vocab_size"],
         "architecture": info["architecture"],
-        "chat_template": getattr(tm.tokenizer, "chat_template", None),
+        "chat_template": tm.chat_template_text,
     })
 
 

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from runtime.generate_input import SingleRequest
+from runtime.http.chat_render import render_chat_request
 from runtime.http.errors import APIError
 from runtime.http.openai_format import (
     AssistantOutput,
@@ -43,7 +44,7 @@ from runtime.http.openai_format import (
     usage,
     visible_output_len,
 )
-from runtime.http.openai_tools import REASONING_PARSERS, ParsedOutput, tool_setup
+from runtime.http.openai_tools import REASONING_PARSERS, ParsedOutput
 from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.http.requests import submit_all
 from runtime.request_state import RequestState
@@ -263,11 +264,7 @@ def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
     try:
-        setup = tool_setup([m.template_dict() for m in req.messages], req.tools, req.tool_choice,
-                           tm.tool_format, tm.chat_template_text, req.parallel_tool_calls)
-        ids = tm.render_chat(setup.messages, add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             **{**req.template_kwargs(), **setup.template_kwargs})
+        ids, setup = render_chat_request(tm.tokenizer, tm.chat_template, tm.tool_format, req)
     except APIError:
         raise
     except Exception as exc:  # the template is the model's; what fails in it is these messages

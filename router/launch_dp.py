@@ -1,0 +1,180 @@
+"""``radixserve serve --dp N``: N workers and a router on one machine.
+
+The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on ports
+PORT+1 .. PORT+N of 127.0.0.1; the router takes PORT on the host the user asked for. With the exact
+policy each worker also publishes its cache events on PORT+N+1+i. The model is resolved (and the default
+model converted) once, before any worker starts, so N workers never race to convert it. On CPU each
+worker gets an equal share of the cores unless --num-threads says otherwise; on CUDA with at least N
+visible GPUs, worker i gets GPU i.
+
+Each worker runs in its own process group (a terminal's Ctrl-C reaches only this process, which then
+stops the workers in order) and dies with this process (PR_SET_PDEATHSIG) if it is killed outright.
+If any worker fails to start, the others are stopped and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from router.config import RouterArgs
+from runtime.config import ServerArgs, default_num_threads
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT = 900.0
+# Flags the launcher sets per worker.
+PER_WORKER = ("model", "host", "port", "kv_events_port", "served_model_name", "num_threads")
+
+
+def worker_argv(args: ServerArgs, *, model: str, port: int, served: str, num_threads: int | None,
+                kv_events_port: int | None) -> list[str]:
+    """The ``serve`` command line of one worker: the user's non-default flags plus the per-worker ones."""
+    argv = [sys.executable, "-m", "runtime.cli", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", served]
+    if num_threads is not None:
+        argv += ["--num-threads", str(num_threads)]
+    if kv_events_port is not None:
+        argv += ["--kv-events-port", str(kv_events_port)]
+    for f in dataclasses.fields(ServerArgs):
+        if f.name in PER_WORKER:
+            continue
+        value = getattr(args, f.name)
+        if value is None or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _gpu_env(args: ServerArgs, dp: int, i: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.device == "cpu":
+        return env
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except ImportError:
+        return env
+    if count >= dp > 1:
+        visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+        env["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) >= dp else str(i)
+    return env
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _stop_all(procs: list[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def _wait_healthy(procs: list[subprocess.Popen[Any]], urls: list[str], timeout: float) -> None:
+    pending = dict(zip(urls, procs))
+    deadline = time.time() + timeout
+    while pending:
+        for url, p in list(pending.items()):
+            if p.poll() is not None:
+                raise RuntimeError(f"the worker for {url} exited with status {p.returncode} while starting")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    del pending[url]
+                    logger.info("worker %s is ready", url)
+            except httpx.HTTPError:
+                pass
+        if time.time() > deadline:
+            raise RuntimeError(f"workers did not start within {timeout:.0f} s: {', '.join(pending)}")
+        if pending:
+            time.sleep(0.5)
+
+
+def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None = None,
+              start_timeout: float = START_TIMEOUT) -> int:
+    """Start ``dp`` workers configured by ``server_args`` and a router on ``server_args.port``; run until
+    SIGINT/SIGTERM. Returns the exit status: 1 if a worker failed to start, else the router's."""
+    from router.app import serve_router
+    from runtime.launch import served_name
+    from runtime.logging_setup import configure_logging
+    from runtime.models.loader import resolve_model_path
+
+    configure_logging(server_args.log_level, "dp")
+    if dp < 1:
+        logger.error("dp: must be >= 1, got %d", dp)
+        return 2
+    router_args = router_args or RouterArgs(host=server_args.host, port=server_args.port)
+    served = served_name(server_args, server_args.model)
+    try:
+        model = str(resolve_model_path(server_args.model))
+    except Exception as exc:  # a bad --model: say so, like a single server would
+        logger.error("%s", exc)
+        return 1
+    threads = server_args.num_threads or max(1, default_num_threads() // dp)
+    exact = router_args.policy == "exact"
+    base = server_args.port
+    urls = [f"http://127.0.0.1:{base + 1 + i}" for i in range(dp)]
+    events = [base + 1 + dp + i for i in range(dp)] if exact else []
+    procs: list[subprocess.Popen[Any]] = []
+
+    def interrupted(signum: int, _frame: FrameType | None) -> None:
+        raise _Interrupted(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            for i in range(dp):
+                argv = worker_argv(server_args, model=model, port=base + 1 + i, served=served,
+                                   num_threads=threads, kv_events_port=events[i] if exact else None)
+                logger.info("starting worker %d/%d on %s", i + 1, dp, urls[i])
+                procs.append(subprocess.Popen(argv, env=_gpu_env(server_args, dp, i), start_new_session=True,
+                                              preexec_fn=_die_with_parent))
+            _wait_healthy(procs, urls, start_timeout)
+        except (RuntimeError, OSError) as exc:
+            logger.error("%s; stopping the workers", exc)
+            return 1
+        except _Interrupted as exc:
+            logger.info("%s while starting; stopping the workers", exc)
+            return 1
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)  # uvicorn installs its own handlers for the router
+        router_args = router_args.copy(
+            worker_urls=urls, kv_events_endpoints=[f"tcp://127.0.0.1:{p}" for p in events])
+        logger.info("%d workers ready; router on %s:%d (policy %s)", dp, router_args.host, router_args.port,
+                    router_args.policy)
+        return serve_router(router_args)
+    finally:
+        _stop_all(procs)

@@ -1,0 +1,67 @@
+"""``serve --dp N`` as runtime/cli.py wires it: N workers and a router; a clean stop; a failed start."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server_harness import ROOT, free_port, pid_alive
+
+# The wiring runtime/cli.py uses: ServerArgs flags + add_dp_args on the serve parser, then run_dp.
+LAUNCH = ("import argparse, sys\n"
+          "from runtime.config import add_server_args, server_args_from_namespace\n"
+          "from router.cli import add_dp_args, run_dp\n"
+          "p = argparse.ArgumentParser()\n"
+          "add_server_args(p)\n"
+          "add_dp_args(p)\n"
+          "ns = p.parse_args(sys.argv[1:])\n"
+          "sys.exit(run_dp(ns, server_args_from_namespace(ns)))\n")
+
+
+def launch(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, "--log-level", "warning", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_dp_starts_workers_and_router_and_stops_cleanly(tiny_model_dir: Path) -> None:
+    port = free_port()
+    proc = launch("--model", str(tiny_model_dir), "--port", str(port), "--dp", "2", "--max-total-tokens", "8192",
+                  "--router-policy", "exact")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(0.3)
+        workers = httpx.get(url + "/workers").json()
+        assert workers["policy"] == "exact"
+        assert [w["url"] for w in workers["workers"]] == [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        info = httpx.get(url + "/get_server_info", timeout=60).json()
+        assert info["dp_size"] == 2 and info["port"] == port
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0, proc.stdout.read().decode() if proc.stdout else ""
+    time.sleep(0.5)
+    assert not [c for c in children if pid_alive(c)]
+
+
+def test_dp_exits_nonzero_when_workers_cannot_start(tmp_path: Path) -> None:
+    proc = launch("--model", str(tmp_path / "missing"), "--port", str(free_port()), "--dp", "2")
+    assert proc.wait(120) != 0
