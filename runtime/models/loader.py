@@ -4,6 +4,10 @@
 package), a ``.gguf`` file (both converted once to a cached folder, see ``gguf_convert``) or an HF folder
 with ``config.json`` and safetensors weights (single file or sharded with an index). Every failure is a
 :class:`ModelLoadError` whose message names the path. Nothing is ever fetched from a model hub.
+
+``random:NAME`` (``random:llama3-8b``, ``random:smollm2-135m``, ``random:tiny``) names a random-weight model
+of a known shape built on the device with no file at all (``random_model``); its tokenizer is the default
+model's, which ``load_tokenizer`` returns for such a name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
 from runtime.models.gguf_convert import convert_gguf, default_gguf_path
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.random_model import is_random_model
 from runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,7 @@ __all__ = [
     "DEFAULT_MODEL_ALIASES",
     "ModelLoadError",
     "attention_shape",
+    "is_random_model",
     "kv_layout",
     "load_config",
     "load_model",
@@ -46,7 +52,12 @@ __all__ = [
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The HF folder to load for a ``--model`` value, converting a GGUF (or the default model) if needed."""
+    """The HF folder to load for a ``--model`` value, converting a GGUF (or the default model) if needed.
+
+    A ``random:NAME`` model has no folder: its name comes back unchanged (as a ``Path``), so launchers that
+    resolve ``--model`` once and pass the string on keep the name."""
+    if is_random_model(model):
+        return Path(str(model))
     if model is None or str(model).lower() in DEFAULT_MODEL_ALIASES:
         return convert_gguf(default_gguf_path())
     path = Path(model).expanduser()
@@ -89,8 +100,11 @@ def kv_layout(config: Any) -> tuple[int, int, int]:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The folder's tokenizer (local files only)."""
+    """The folder's tokenizer (local files only); the default model's for a ``random:NAME`` model."""
     from transformers import AutoTokenizer
+
+    if is_random_model(str(path)):
+        path = resolve_model_path("default")
 
     try:
         return AutoTokenizer.from_pretrained(Path(path))
@@ -109,7 +123,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     config = load_config(folder)
     cls = get_model_class(config)
     if attn_backend is None:
-        attn_backend = make_attention_backend("auto", attention_shape(config), device)
+        attn_backend = make_attention_backend("auto", attention_shape(config), device, dtype)
     files = safetensors_files(folder)
     for file in files:
         check_safetensors(file)

@@ -23,10 +23,11 @@ from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
 from runtime.executor.model_runner import ModelRunner
-from runtime.executor.sampler import Sampler
+from runtime.executor.sampler import Sampler, SampleResult
 from runtime.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import StepBatch, build_step
+from runtime.scheduler.overlap import OverlapScheduler, overlap_enabled
 from runtime.scheduler.policy import make_schedule_policy
 from runtime.scheduler.req import Req
 from runtime.scheduler.stats import SchedulerStats
@@ -61,6 +62,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._pending: list[ReqOutput] = []
         self._decode_steps = 0
+        # Overlap scheduling (overlap.py): step N+1 is prepared while step N runs on a worker.
+        self.overlap = OverlapScheduler(self) if overlap_enabled(args, runner.device) else None
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
@@ -110,6 +113,7 @@ class Scheduler:
 
     def abort(self, rid: str, message: str = "aborted by request") -> bool:
         """Remove ``rid`` from the queue or the running batch and free its KV; False if unknown."""
+        self._drain_overlap()
         for req in self.waiting + [r for r, _ in self.compiling]:
             if req.rid == rid:
                 if req in self.waiting:
@@ -149,23 +153,20 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """A step would do work now (otherwise only grammar compilations are pending)."""
-        return bool(self.waiting or self.running or self.chunked or self._pending)
+        return bool(self.waiting or self.running or self.chunked or self._pending
+                    or (self.overlap is not None and self.overlap.inflight is not None))
 
     def holders(self) -> list[Req]:
         return [r for r in self.running + ([self.chunked] if self.chunked else []) if r.kv is not None]
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[ReqOutput]:
+        if self.overlap is not None:
+            return self.overlap.step()
         t0 = time.perf_counter()
         self._collect_grammars()
         outputs, self._pending = self._pending, []
-        self._make_decode_room()
-        plans = [PrefillPlan(r, 1) for r in self.running]
-        for plan in plans:
-            assert plan.req.kv is not None
-            self.cache.alloc_tokens(plan.req.kv, 1)
-        prefills = self._admit(len(plans))
-        plans += prefills
+        plans, prefills = self._schedule()
         if not plans:
             return outputs
         sb = build_step(plans, self.runner)
@@ -174,6 +175,22 @@ class Scheduler:
         self.stats.record_step(len(plans) - len(prefills), sum(p.extend for p in prefills), time.perf_counter() - t0)
         self._log_step(prefills, len(plans) - len(prefills))
         return outputs
+
+    def _schedule(self) -> tuple[list[PrefillPlan], list[PrefillPlan]]:
+        """The next batch's plans (a decode slot for every running request, then admitted prefills) and,
+        separately, the prefills."""
+        self._make_decode_room()
+        plans = [PrefillPlan(r, 1) for r in self.running]
+        for plan in plans:
+            assert plan.req.kv is not None
+            self.cache.alloc_tokens(plan.req.kv, 1)
+        prefills = self._admit(len(plans))
+        return plans + prefills, prefills
+
+    def _drain_overlap(self) -> None:
+        """Apply an in-flight overlap batch now, so control operations see lockstep state."""
+        if self.overlap is not None:
+            self._pending += self.overlap.drain()
 
     def _make_decode_room(self) -> None:
         """Retract running requests until every remaining one can get its next token's slot."""
@@ -213,11 +230,12 @@ class Scheduler:
         return adder.plans
 
     # ------------------------------------------------------------------ results
-    def _process(self, sb: StepBatch, logits: torch.Tensor) -> list[ReqOutput]:
+    def _process(self, sb: StepBatch, logits: torch.Tensor, sampled: SampleResult | None = None) -> list[ReqOutput]:
+        """Apply a step's results. ``sampled``: tokens already drawn for the sampled rows (overlap mode)."""
         plans = sb.plans
         sample_idx = [i for i in sb.sample_rows if plans[i].req.remaining_new_tokens() > 0]
-        result = None
-        if sample_idx:
+        result = sampled
+        if sample_idx and result is None:
             rows = torch.tensor([sb.sample_rows[i] for i in sample_idx])
             result = self.sampler.sample(logits.index_select(0, rows), [plans[i].req for i in sample_idx])
         drawn = {i: k for k, i in enumerate(sample_idx)}
@@ -285,16 +303,19 @@ class Scheduler:
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are queued or running."""
+        self._drain_overlap()
         if not self.idle:
             return False
         self.cache.reset()
         return True
 
     def check_integrity(self) -> dict[str, int]:
+        self._drain_overlap()
         return self.cache.check_integrity([r.kv for r in self.holders() if r.kv is not None])
 
     def server_info(self) -> dict[str, Any]:
         """Queue sizes, KV accounting (checked), cache and scheduler statistics."""
+        self._drain_overlap()
         cs = self.cache.stats()
         return {
             "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
