@@ -9,21 +9,35 @@ Works on any device, and is the correctness oracle for the fused GPU backends. T
   each: new token ``i`` sees KV positions ``<= prefix_len + i`` (plain ``is_causal`` when there is no
   prefix, an explicit ``[E, S]`` mask otherwise).
 
+Requests whose KV starts with the same slots (one cached prefix under many requests) are instead planned
+as **cascade groups** (``cascade.py``): the shared prefix is gathered once per layer and attended by all
+the group's new tokens in one call; each request then attends only its own KV positions ``P ..`` with the
+same decode / prefill batching as above, and the two parts are merged by log-sum-exp.
+
 GQA never materialises repeated KV. For decode the ``G = H / Hkv`` query heads of a KV head become the
 query *length* (q ``[B, Hkv, G, D]`` against k ``[B, Hkv, L, D]``); for prefill k/v get a stride-0 group
-dimension (``expand``), which the CPU SDPA kernel reads in place. Both measured fastest on the 2-core
+dimension (``expand``), which the CPU SDPA kernel reads in place; for a shared prefix the KV head is the
+batch and all query heads of all the group's tokens are rows. All measured fastest on the 2-core
 development machine, as was gathering from a 2-D ``[slots, Hkv*D]`` view (3-D ``index_select`` with
 scattered indices is ~9x slower there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend, AttentionShape
+from runtime.attention.cascade import (
+    CascadePolicy,
+    SharedPrefix,
+    attention_with_lse,
+    find_shared_prefixes,
+    merge_attention_,
+)
 from runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
@@ -53,23 +67,54 @@ class PrefillChunk:
 
 
 @dataclass
+class SharedPart:
+    """One cascade group's shared prefix, attended by the cascade rows ``start .. end - 1``."""
+
+    start: int
+    end: int
+    prefix_len: int  # P
+    kv_index: torch.Tensor | None  # [P] slots; None when they are the contiguous run kv_start .. + P - 1
+    kv_start: int = 0
+
+
+@dataclass
+class CascadePlan:
+    """All cascade groups of a batch. Their tokens ("cascade rows") are ordered group after group, so a
+    group's queries and each of its prefill chunks are contiguous slices."""
+
+    rows: torch.Tensor | None  # batch token row of each cascade row; None = all batch rows, in order
+    num_rows: int
+    shared: list[SharedPart]
+    # Each member's own part (KV positions P .. seq_len - 1). Rows/starts index the cascade rows.
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk]
+
+
+@dataclass
 class TorchNativeMetadata:
     decode: DecodeGroup | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    cascade: CascadePlan | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
-    """SDPA over KV gathered through ``batch.req_to_token`` (see the module docstring)."""
+    """SDPA over KV gathered through ``batch.req_to_token`` (see the module docstring).
+
+    ``cascade`` sets when requests sharing a cached prefix are attended as a group; ``None`` turns
+    grouping off (every request gathers its whole KV).
+    """
 
     name = "torch_native"
 
-    def __init__(self, shape: AttentionShape, device: torch.device | str = "cpu"):
+    def __init__(self, shape: AttentionShape, device: torch.device | str = "cpu",
+                 cascade: CascadePolicy | None = CascadePolicy()):  # noqa: B008 (frozen, shared)
         super().__init__(shape)
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"{shape.num_heads} query heads is not a multiple of "
                              f"{shape.num_kv_heads} kv heads")
         self.device = torch.device(device)
         self.group = shape.num_heads // shape.num_kv_heads
+        self.cascade = cascade
         # Gather buffers reused by every layer and step. Fresh multi-MB tensors per layer cost page faults
         # (the allocator hands big blocks back to the OS): on the dev VM that doubled batch-32 decode time.
         self._workspace: dict[str, torch.Tensor] = {}
@@ -77,40 +122,98 @@ class TorchNativeBackend(AttentionBackend):
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
         """Build the slot-index tensors and masks once per batch (Python work per request, not per layer)."""
-        dtype = batch.kv.shape.dtype
         if batch.batch_size == 0:
             batch.attn_metadata = TorchNativeMetadata()
             return
-        if batch.mode is ForwardMode.DECODE:
-            batch.attn_metadata = TorchNativeMetadata(
-                decode=self._decode_group(batch, None, batch.req_pool_indices, batch.seq_lens, dtype))
+        groups: list[SharedPrefix] = []
+        if self.cascade is not None:
+            groups = find_shared_prefixes(batch.req_to_token, batch.req_pool_indices.tolist(),
+                                          batch.prefix_lens_cpu, self.cascade)
+        dtype = batch.kv.shape.dtype
+        if not groups and batch.mode is ForwardMode.DECODE:
+            batch.attn_metadata = TorchNativeMetadata(decode=self._decode_group(batch, None, None, dtype))
             return
+        starts = [0]
+        for ext in batch.extend_lens_cpu:
+            starts.append(starts[-1] + ext)
+        grouped = {i for g in groups for i in g.members}
         meta = TorchNativeMetadata()
         single: list[int] = []
-        single_rows: list[int] = []
-        start = 0
         for i, (pre, ext) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+            if i in grouped:
+                continue
             if ext == 1:
                 single.append(i)
-                single_rows.append(start)
             elif ext > 1:
-                meta.prefills.append(self._prefill_chunk(batch, i, start, pre, ext, dtype))
-            start += ext
+                meta.prefills.append(self._prefill_chunk(batch, i, starts[i], pre, ext, dtype))
         if single:
-            device = batch.seq_lens.device
-            sel = torch.tensor(single, dtype=torch.int64, device=device)
-            rows = torch.tensor(single_rows, dtype=torch.int64, device=device)
-            meta.decode = self._decode_group(batch, [batch.seq_lens_cpu[i] for i in single],
-                                             batch.req_pool_indices[sel], batch.seq_lens[sel], dtype, rows)
+            meta.decode = self._decode_group(batch, single, None, dtype, [starts[i] for i in single],
+                                             batch.num_tokens)
+        if groups:
+            meta.cascade = self._cascade_plan(batch, groups, starts, dtype)
         batch.attn_metadata = meta
 
+    def _cascade_plan(self, batch: ForwardBatch, groups: list[SharedPrefix], starts: list[int],
+                      dtype: torch.dtype) -> CascadePlan:
+        rows: list[int] = []
+        shared: list[SharedPart] = []
+        prefills: list[PrefillChunk] = []
+        single: list[int] = []
+        single_skip: list[int] = []
+        single_rows: list[int] = []
+        for g in groups:
+            first = len(rows)
+            for i in g.members:
+                pre, ext = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
+                if ext == 1:
+                    single.append(i)
+                    single_skip.append(g.prefix_len)
+                    single_rows.append(len(rows))
+                elif ext > 1:
+                    prefills.append(self._prefill_chunk(batch, i, len(rows), pre, ext, dtype, g.prefix_len))
+                rows.extend(range(starts[i], starts[i] + ext))
+            shared.append(self._shared_part(batch, g, first, len(rows)))
+        device = batch.seq_lens.device
+        decode = None
+        if single:
+            decode = self._decode_group(batch, single, single_skip, dtype, single_rows, len(rows))
+        all_rows = len(rows) == batch.num_tokens and rows == list(range(len(rows)))
+        row_index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
+        return CascadePlan(row_index, len(rows), shared, decode, prefills)
+
     @staticmethod
-    def _decode_group(batch: ForwardBatch, lens_cpu: list[int] | None, req_rows: torch.Tensor,
-                      seq_lens: torch.Tensor, dtype: torch.dtype,
-                      token_rows: torch.Tensor | None = None) -> DecodeGroup:
-        lens = batch.seq_lens_cpu if lens_cpu is None else lens_cpu
+    def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> SharedPart:
+        lead = int(batch.req_pool_indices[g.members[0]])
+        index = batch.req_to_token[lead, : g.prefix_len]
+        # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
+        first = int(index[0])
+        if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
+            return SharedPart(start, end, g.prefix_len, None, first)
+        return SharedPart(start, end, g.prefix_len, index)
+
+    @staticmethod
+    def _decode_group(batch: ForwardBatch, members: Sequence[int] | None, skip: Sequence[int] | None,
+                      dtype: torch.dtype, token_rows: Sequence[int] | None = None,
+                      num_rows: int = 0) -> DecodeGroup:
+        """Padded slot matrix of the decode requests ``members`` (None = all, in order), from KV position
+        ``skip[j]`` of member j on (None = from 0); ``token_rows`` are their rows among the ``num_rows``
+        rows of the output (None = all of them, in order)."""
+        device = batch.seq_lens.device
+        if members is None:
+            lens, req_rows, seq_lens = batch.seq_lens_cpu, batch.req_pool_indices, batch.seq_lens
+        else:
+            skips = skip or [0] * len(members)
+            lens = [batch.seq_lens_cpu[i] - s for i, s in zip(members, skips)]
+            req_rows = batch.req_pool_indices[torch.tensor(members, dtype=torch.int64, device=device)]
+            seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
         max_len = max(lens)
-        index = batch.req_to_token[req_rows, :max_len]
+        if skip is None:
+            index = batch.req_to_token[req_rows, :max_len]
+        else:
+            cols = torch.tensor(skip, dtype=torch.int64, device=device)[:, None] + torch.arange(max_len,
+                                                                                               device=device)
+            cols.clamp_(max=batch.req_to_token.shape[1] - 1)  # past a row's length: masked below
+            index = batch.req_to_token[req_rows[:, None], cols]
         mask = None
         if min(lens) != max_len:
             pad = torch.arange(max_len, device=index.device)[None, :] >= seq_lens[:, None]
@@ -118,18 +221,22 @@ class TorchNativeBackend(AttentionBackend):
             index = index.masked_fill(pad, 0)
             mask = torch.zeros(pad.shape, dtype=dtype, device=index.device).masked_fill_(pad, float("-inf"))
             mask = mask[:, None, None, :]
-        return DecodeGroup(index.reshape(-1), len(lens), max_len, mask, token_rows)
+        rows = None
+        if token_rows is not None and list(token_rows) != list(range(num_rows)):
+            rows = torch.tensor(token_rows, dtype=torch.int64, device=device)
+        return DecodeGroup(index.reshape(-1), len(lens), max_len, mask, rows)
 
     @staticmethod
     def _prefill_chunk(batch: ForwardBatch, i: int, start: int, prefix: int, ext: int,
-                       dtype: torch.dtype) -> PrefillChunk:
+                       dtype: torch.dtype, skip: int = 0) -> PrefillChunk:
+        """KV positions ``skip .. prefix + ext - 1`` of request ``i`` (``skip`` = a cascade group's P)."""
         seq = prefix + ext
-        index = batch.req_to_token[int(batch.req_pool_indices[i]), :seq]
+        index = batch.req_to_token[int(batch.req_pool_indices[i]), skip:seq]
         mask = None
-        if prefix:
+        if prefix > skip:
             device = index.device
-            # New token j (position prefix + j) may see key positions 0 .. prefix + j.
-            hidden = (torch.arange(seq, device=device)[None, :]
+            # New token j (position prefix + j) may see key positions skip .. prefix + j.
+            hidden = (torch.arange(skip, seq, device=device)[None, :]
                       > torch.arange(prefix, seq, device=device)[:, None])
             if hidden.numel() > _FLOAT_MASK_LIMIT:
                 mask = ~hidden  # bool (True = attend): 4x smaller than additive fp32, slightly slower
@@ -151,15 +258,19 @@ class TorchNativeBackend(AttentionBackend):
         k_pool = kv.k(layer_id).view(kv.total_slots, -1)
         v_pool = kv.v(layer_id).view(kv.total_slots, -1)
 
-        dec = meta.decode
-        if dec is not None and dec.token_rows is None:  # pure decode batch: the whole output at once
+        dec, casc = meta.decode, meta.cascade
+        if casc is None and dec is not None and dec.token_rows is None:  # pure decode: the whole output at once
             return self._decode(q, k_pool, v_pool, dec).to(in_dtype)
+        if casc is not None and casc.rows is None:  # every row is in a cascade group, in order
+            return self._cascade(q, k_pool, v_pool, casc).to(in_dtype)
         out = q.new_empty(q.shape[0], self.shape.num_heads, self.shape.head_dim)
         if dec is not None and dec.token_rows is not None:
             out.index_copy_(0, dec.token_rows, self._decode(q.index_select(0, dec.token_rows),
                                                             k_pool, v_pool, dec))
         for chunk in meta.prefills:
             self._prefill(q[chunk.start : chunk.end], k_pool, v_pool, chunk, out[chunk.start : chunk.end])
+        if casc is not None and casc.rows is not None:
+            out.index_copy_(0, casc.rows, self._cascade(q.index_select(0, casc.rows), k_pool, v_pool, casc))
         return out.to(in_dtype)
 
     def _gather(self, pool: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
@@ -178,27 +289,97 @@ class TorchNativeBackend(AttentionBackend):
         """Drop the gather buffers (they grow to the largest batch seen); they are rebuilt on demand."""
         self._workspace.clear()
 
+    def _decode_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                   dec: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode group's padded K and V as ``[B, Hkv, L, D]`` views of the workspace."""
+        b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
+        k = self._gather(k_pool, dec.kv_index, "k").view(b, dec.max_len, hkv, d).transpose(1, 2)
+        v = self._gather(v_pool, dec.kv_index, "v").view(b, dec.max_len, hkv, d).transpose(1, 2)
+        return k, v
+
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 dec: DecodeGroup) -> torch.Tensor:
         """q ``[B, H, D]`` -> ``[B, H, D]``, one SDPA call with the G query heads of a KV head as rows."""
         b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
-        k = self._gather(k_pool, dec.kv_index, "k").view(b, dec.max_len, hkv, d).transpose(1, 2)
-        v = self._gather(v_pool, dec.kv_index, "v").view(b, dec.max_len, hkv, d).transpose(1, 2)
+        k, v = self._decode_kv(k_pool, v_pool, dec)
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), k, v, attn_mask=dec.mask,
                                            scale=self.shape.scale)
         return o.reshape(b, self.shape.num_heads, d)  # SDPA may return a transposed layout
 
-    def _prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: PrefillChunk,
-                 out: torch.Tensor) -> None:
-        """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
+    def _prefill_qkv(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     chunk: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[Hkv, G, E, D]`` queries against ``[Hkv, G (stride 0), S, D]`` keys/values of one chunk."""
         e, s = q.shape[0], chunk.kv_index.numel()
         hkv, g, d = self.shape.num_kv_heads, self.group, self.shape.head_dim
         k = self._gather(k_pool, chunk.kv_index, "k").view(s, hkv, d).transpose(0, 1)
         v = self._gather(v_pool, chunk.kv_index, "v").view(s, hkv, d).transpose(0, 1)
-        # [Hkv, G, E, D] queries against [Hkv, G(stride 0), S, D] keys/values.
         q4 = q.reshape(e, hkv, g, d).permute(1, 2, 0, 3)
-        k4 = k.unsqueeze(1).expand(hkv, g, s, d)
-        v4 = v.unsqueeze(1).expand(hkv, g, s, d)
+        return q4, k.unsqueeze(1).expand(hkv, g, s, d), v.unsqueeze(1).expand(hkv, g, s, d)
+
+    def _prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: PrefillChunk,
+                 out: torch.Tensor) -> None:
+        """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
+        e, hkv, g, d = q.shape[0], self.shape.num_kv_heads, self.group, self.shape.head_dim
+        q4, k4, v4 = self._prefill_qkv(q, k_pool, v_pool, chunk)
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=self.shape.scale)
         out.view(e, hkv, g, d).copy_(o.permute(2, 0, 1, 3))
+
+    # ------------------------------------------------------------------ cascade groups
+    def _cascade(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 casc: CascadePlan) -> torch.Tensor:
+        """q ``[R, H, D]`` (the cascade rows) -> ``[R, H, D]``: own parts, then each group's shared part
+        merged into its rows in place."""
+        out, lse = self._cascade_own(q, k_pool, v_pool, casc)
+        hkv, g, d = self.shape.num_kv_heads, self.group, self.shape.head_dim
+        for part in casc.shared:
+            p, n = part.prefix_len, part.end - part.start
+            if part.kv_index is None:
+                k, v = k_pool.narrow(0, part.kv_start, p), v_pool.narrow(0, part.kv_start, p)
+            else:
+                k, v = self._gather(k_pool, part.kv_index, "k"), self._gather(v_pool, part.kv_index, "v")
+            # KV head = batch; the G heads of all n tokens are the rows: [1, Hkv, n*G, D] vs [1, Hkv, P, D].
+            q4 = q[part.start : part.end].reshape(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
+            o_sh, lse_sh = attention_with_lse(q4, k.view(1, p, hkv, d).transpose(1, 2),
+                                              v.view(1, p, hkv, d).transpose(1, 2), None, False, self.shape.scale)
+            # Merge in the [n, Hkv, G] layout: views on both sides, no copies.
+            merge_attention_(out[part.start : part.end].view(n, hkv, g, d), lse[part.start : part.end].view(n, hkv, g),
+                             o_sh.view(hkv, n, g, d).transpose(0, 1), lse_sh.view(hkv, n, g).transpose(0, 1))
+        return out
+
+    def _cascade_own(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     casc: CascadePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each cascade row's attention over its request's own KV (positions P ..) and its log-sum-exp:
+        ``[R, H, D]`` and ``[R, H]`` fp32, both contiguous (the merge writes into them)."""
+        r, h, d = casc.num_rows, self.shape.num_heads, self.shape.head_dim
+        dec = casc.decode
+        if dec is not None and dec.token_rows is None and not casc.prefills:  # all rows decode, in order
+            o, lse = self._decode_lse(q, k_pool, v_pool, dec)
+            return o.contiguous(), lse.contiguous()
+        out = q.new_empty(r, h, d)
+        lse_out = torch.empty(r, h, dtype=torch.float32, device=q.device)
+        if dec is not None:
+            rows = dec.token_rows
+            o, lse = self._decode_lse(q if rows is None else q.index_select(0, rows), k_pool, v_pool, dec)
+            if rows is None:
+                out.copy_(o)
+                lse_out.copy_(lse)
+            else:
+                out.index_copy_(0, rows, o)
+                lse_out.index_copy_(0, rows, lse)
+        hkv, g = self.shape.num_kv_heads, self.group
+        for chunk in casc.prefills:
+            e = chunk.end - chunk.start
+            q4, k4, v4 = self._prefill_qkv(q[chunk.start : chunk.end], k_pool, v_pool, chunk)
+            o, lse = attention_with_lse(q4, k4, v4, chunk.mask, chunk.mask is None, self.shape.scale)
+            out[chunk.start : chunk.end].view(e, hkv, g, d).copy_(o.permute(2, 0, 1, 3))
+            lse_out[chunk.start : chunk.end].view(e, hkv, g).copy_(lse.permute(2, 0, 1))
+        return out, lse_out
+
+    def _decode_lse(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    dec: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like ``_decode``, also returning the log-sum-exp ``[B, H]`` (fp32) for the cascade merge."""
+        b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
+        k, v = self._decode_kv(k_pool, v_pool, dec)
+        o, lse = attention_with_lse(q.reshape(b, hkv, self.group, d), k, v, dec.mask, False, self.shape.scale)
+        return o.reshape(b, self.shape.num_heads, d), lse.reshape(b, self.shape.num_heads)
