@@ -1,10 +1,13 @@
-"""The ``radixserve`` command: ``serve`` (one server), and the other tools as they land."""
+"""The ``radixserve`` command: ``serve`` (one server, or ``--dp N`` workers behind a router), ``router``,
+``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from router.cli import add_dp_args, add_router_parser
+from runtime.bench.cli import add_bench_parser, run_bench
 from runtime.config import add_server_args, server_args_from_namespace
 
 
@@ -17,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "The port opens once the model is loaded.",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_server_args(serve)
+    add_dp_args(serve)
+    add_router_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -31,7 +37,17 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             print(f"radixserve serve: {exc}", file=sys.stderr)
             sys.exit(2)
+        if args.dp > 1:
+            from router.cli import run_dp
+
+            sys.exit(run_dp(args, server_args))
         sys.exit(launch_server(server_args))
+    if args.command == "router":
+        from router.cli import run_router
+
+        sys.exit(run_router(args))
+    elif args.command == "bench":
+        sys.exit(run_bench(args, sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

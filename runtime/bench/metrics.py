@@ -1,0 +1,129 @@
+"""From a run's records to its figures: throughput, TTFT and latency percentiles, errors, hit rate vs optimum."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.bench.client import RunResult
+from runtime.bench.optimum import OptimumResult
+
+
+def percentile(xs: Sequence[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN for no data."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _rate(num: float, den: float) -> float:
+    return num / den if den > 0 else math.nan
+
+
+def summarize(run: RunResult, system: str, optimum: OptimumResult | None = None,
+              prompt_mismatches: int | None = None) -> dict[str, Any]:
+    """One summary line per (system, workload): what ``bench run`` prints and ``compare`` saves."""
+    ok = [r for r in run.records if r.ok]
+    errs = [r for r in run.records if not r.ok]
+    methods: set[str] = set()
+    out_tokens = 0
+    for r in ok:
+        if r.output_tokens is not None:
+            out_tokens += r.output_tokens
+            methods.add("usage")
+        else:  # no usage block: one streamed chunk is about one token
+            out_tokens += r.chunks
+            methods.add("chunks")
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    lats = [r.latency for r in ok if r.latency is not None]
+    sequences = sum(max(len(r.texts), 1) if r.n > 1 else 1 for r in ok)
+    with_usage = [r for r in ok if r.prompt_tokens is not None]
+    with_cached = [r for r in with_usage if r.cached_tokens is not None]
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in with_usage) if with_usage else None
+    hit_rate = None
+    if ok and len(with_cached) == len(ok):  # only when every answer reported its cached tokens
+        hit_rate = _rate(sum(r.cached_tokens or 0 for r in with_cached), sum(r.prompt_tokens or 0 for r in with_cached))
+    s: dict[str, Any] = {
+        "system": system,
+        "workload": run.workload,
+        "params": run.params,
+        "description": run.description,
+        "target": run.target,
+        "requests": len(run.records),
+        "ok": len(ok),
+        "errors": len(errs),
+        "error_samples": [f"{r.id}: {r.error or 'no answer'}"[:300] for r in errs[:5]],
+        "sequences": sequences,
+        "short_choices": sum(1 for r in ok if r.n > 1 and len(r.texts) < r.n),
+        "wall_s": run.wall_s,
+        "requests_per_s": _rate(len(ok), run.wall_s),
+        "sequences_per_s": _rate(sequences, run.wall_s),
+        "output_tokens": out_tokens,
+        "output_tokens_method": "+".join(sorted(methods)) or "none",
+        "output_tok_per_s": _rate(out_tokens, run.wall_s),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else math.nan,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "latency_mean_s": statistics.fmean(lats) if lats else math.nan,
+        "latency_p50_s": percentile(lats, 50),
+        "latency_p99_s": percentile(lats, 99),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(r.cached_tokens or 0 for r in with_cached) if with_cached else None,
+        "hit_rate": hit_rate,
+        "server_hit_rate": server_hit_rate(run),
+        "optimum_hit_rate": optimum.rate if optimum is not None and optimum.prompt_tokens else None,
+        "optimum_prompt_tokens": optimum.prompt_tokens if optimum is not None else None,
+        "prompt_token_mismatches": prompt_mismatches,
+    }
+    opt_rate = s["optimum_hit_rate"]
+    s["hit_vs_optimum"] = hit_rate / opt_rate if hit_rate is not None and opt_rate else None
+    return s
+
+
+def server_hit_rate(run: RunResult) -> float | None:
+    """Hit rate from radixserve's own counters over the run. It counts every sequence (an ``n = 8`` request
+    counts its prompt 8 times, 7 of them nearly all hits), so it is higher than the usage-based figure for
+    parallel sampling; the usage-based one is the one compared with the optimum."""
+    if run.server_before is None or run.server_after is None:
+        return None
+    b, a = run.server_before["cache"], run.server_after["cache"]
+    hit = a.get("hit_tokens", 0) - b.get("hit_tokens", 0)
+    miss = a.get("miss_tokens", 0) - b.get("miss_tokens", 0)
+    return hit / (hit + miss) if hit + miss > 0 else None
+
+
+def _f(x: Any, spec: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return format(x, spec)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"== {s['system']} / {s['workload']} ({s['description']})",
+             f"   requests {s['ok']}/{s['requests']} ok, errors {s['errors']}, sequences {s['sequences']}, "
+             f"wall {s['wall_s']:.1f}s",
+             f"   throughput {_f(s['requests_per_s'])} req/s, {_f(s['sequences_per_s'])} seq/s, "
+             f"{_f(s['output_tok_per_s'], '.1f')} output tok/s ({s['output_tokens']} tokens via "
+             f"{s['output_tokens_method']})",
+             f"   TTFT p50 {_f(s['ttft_p50_s'])}s p99 {_f(s['ttft_p99_s'])}s   "
+             f"e2e latency p50 {_f(s['latency_p50_s'])}s p99 {_f(s['latency_p99_s'])}s"]
+    hit = f"   cache hit rate {_f(s['hit_rate'])} (usage)"
+    if s.get("server_hit_rate") is not None:
+        hit += f", {_f(s['server_hit_rate'])} (server counters, per sequence)"
+    hit += f"; optimum {_f(s['optimum_hit_rate'])}"
+    if s.get("hit_vs_optimum") is not None:
+        hit += f"; {100 * s['hit_vs_optimum']:.1f}% of the optimum"
+    lines.append(hit)
+    if s.get("prompt_token_mismatches"):
+        lines.append(f"   note: {s['prompt_token_mismatches']} prompts tokenize differently from the server's "
+                     "usage figure; the optimum is approximate")
+    if s.get("short_choices"):
+        lines.append(f"   WARNING: {s['short_choices']} requests returned fewer choices than n")
+    lines += [f"   error: {e}" for e in s["error_samples"]]
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""Where a scheduler step's time goes, measured in-process on a representative few-shot batch.
+
+The step is the one ``Scheduler.step`` runs, taken apart with a timer between its parts:
+
+- scheduling: decode room + KV slots for running requests + admission of waiting prompts (prefix match);
+- batch building: ``build_step`` (token ids, positions, KV slot indices -> a ForwardBatch);
+- model forward: ``ModelRunner.forward`` (attention planning, the layers, logits of the sampled rows);
+- sampling: ``Sampler.sample`` (timed by wrapping it while ``_process`` runs);
+- result processing: the rest of ``_process`` (stop checks, cache inserts, outputs).
+
+Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
+~1,000-token block, first request), a mixed step (7 questions admitted with their prefix cached + 1 decode)
+and plain decode steps of 8 requests at ~1,050 tokens of context. IPC is a ZMQ PUSH/PULL round trip
+(ipc://, pickle protocol 5, as ``runtime.ipc``) of a BatchTokenOut with 64 outputs: the message a step
+sends to the detokenizer at batch 64.
+
+The step body is copied from ``Scheduler.step`` (keep the two in step); nothing else is changed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARTS = ("scheduling", "batch_build", "forward", "sampling", "process")
+PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch building",
+              "forward": "model forward", "sampling": "sampling", "process": "result processing"}
+
+
+def timed_step(sched: Any) -> dict[str, float] | None:
+    """One ``Scheduler.step`` with each part timed (seconds); None when there was nothing to run."""
+    from runtime.scheduler.admission import PrefillPlan
+    from runtime.scheduler.batch import build_step
+
+    sampled = [0.0]
+    original: Callable[..., Any] = sched.sampler.sample
+
+    def sample(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return original(*args, **kw)
+        finally:
+            sampled[0] += time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    sched._collect_grammars()
+    sched._pending = []
+    sched._make_decode_room()
+    plans = [PrefillPlan(r, 1) for r in sched.running]
+    for plan in plans:
+        sched.cache.alloc_tokens(plan.req.kv, 1)
+    prefills = sched._admit(len(plans))
+    plans += prefills
+    if not plans:
+        return None
+    t1 = time.perf_counter()
+    sb = build_step(plans, sched.runner)
+    t2 = time.perf_counter()
+    logits = sched.runner.forward(sb.forward, sb.logit_rows)
+    t3 = time.perf_counter()
+    sched.sampler.sample = sample  # instance attribute shadows the method for this call only
+    try:
+        sched._process(sb, logits)
+    finally:
+        del sched.sampler.sample
+    t4 = time.perf_counter()
+    sched.stats.record_step(len(plans) - len(prefills), sum(p.extend for p in prefills), t4 - t0)
+    return {"scheduling": t1 - t0, "batch_build": t2 - t1, "forward": t3 - t2, "sampling": sampled[0],
+            "process": t4 - t3 - sampled[0], "total": t4 - t0, "decodes": float(len(plans) - len(prefills)),
+            "prefill_tokens": float(sum(p.extend for p in prefills))}
+
+
+def ipc_round_trip(outputs: int = 64, iters: int = 300) -> dict[str, float]:
+    """Median seconds of encode -> send -> receive -> decode, there and back, of a BatchTokenOut."""
+    import zmq
+
+    from runtime.ipc import decode, encode, pull, push
+    from runtime.messages import BatchTokenOut, ReqOutput
+
+    msg = BatchTokenOut([ReqOutput(f"req-{i}", [1234], None, 1050, 5, 1020) for i in range(outputs)])
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="radixserve-bench-ipc-")
+    a_in, b_in = pull(ctx, f"ipc://{folder}/a"), pull(ctx, f"ipc://{folder}/b")
+    to_a, to_b = push(ctx, f"ipc://{folder}/a"), push(ctx, f"ipc://{folder}/b")
+    times, codec = [], []
+    try:
+        for _ in range(iters):
+            t = time.perf_counter()
+            to_b.send(encode(msg), copy=False)
+            got = decode(b_in.recv())
+            to_a.send(encode(got), copy=False)
+            decode(a_in.recv())
+            times.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            decode(encode(msg))
+            codec.append(time.perf_counter() - t)
+    finally:
+        ctx.destroy(linger=0)
+    return {"outputs": float(outputs), "round_trip_s": statistics.median(times),
+            "pickle_only_s": statistics.median(codec), "bytes": float(len(encode(msg)))}
+
+
+def run_profile(model: str = "default", threads: int | None = None, batch: int = 8, decode_steps: int = 16,
+                repeats: int = 3) -> dict[str, Any]:
+    """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
+    from runtime.bench.compare import make_workload
+    from runtime.config import ServerArgs
+    from runtime.executor.model_runner import ModelRunner
+    from runtime.messages import TokenizedRequest
+    from runtime.models.loader import load_tokenizer
+    from runtime.sampling_params import SamplingParams
+    from runtime.scheduler.scheduler import Scheduler
+    from runtime.tokenizer_utils import eos_token_ids
+
+    args = ServerArgs(model=model, num_threads=threads or None, log_level="warning").resolve()
+    runner = ModelRunner(args)
+    tokenizer = load_tokenizer(args.tokenizer or runner.model_path)
+    sched = Scheduler(args, runner, tokenizer, eos_token_ids(tokenizer, runner.hf_config, runner.model_path))
+    wl = make_workload("fewshot", overrides={"questions": batch * repeats})
+    prompts = [list(tokenizer(r["body"]["prompt"]).input_ids) for r in wl["requests"]]
+    sp = SamplingParams(max_new_tokens=decode_steps + 8, temperature=0.0, ignore_eos=True)
+
+    def submit(i: int) -> None:
+        sched.submit(TokenizedRequest(f"p{i}", prompts[i], sp))
+
+    scenarios: dict[str, list[dict[str, float]]] = {"cold prefill": [], "mixed": [], "decode": []}
+    timed_step(sched)  # nothing queued: a no-op that imports what the first real step would
+    for rep in range(repeats):
+        base = rep * batch
+        submit(base)
+        first = timed_step(sched)
+        assert first is not None
+        scenarios["cold prefill"].append(first)
+        while sched.chunked is not None:  # the rest of the first prompt, if it was chunked
+            timed_step(sched)
+        for i in range(1, batch):
+            submit(base + i)
+        mixed = timed_step(sched)
+        assert mixed is not None
+        scenarios["mixed"].append(mixed)
+        while sched.waiting or sched.chunked is not None:
+            timed_step(sched)
+        for _ in range(decode_steps):
+            step = timed_step(sched)
+            if step is not None and step["prefill_tokens"] == 0:
+                scenarios["decode"].append(step)
+        for req in list(sched.running):
+            sched.abort(req.rid)
+        sched.step()  # hand the aborted requests' outputs back
+        sched.flush_cache()  # the next repeat starts cold again
+    result: dict[str, Any] = {"model": str(runner.model_path.name), "threads": threads, "batch": batch,
+                              "context_tokens": len(prompts[0]), "scenarios": {}}
+    for name, steps in scenarios.items():
+        if not steps:
+            continue
+        med = {k: statistics.median(s[k] for s in steps) for k in (*PARTS, "total", "decodes", "prefill_tokens")}
+        result["scenarios"][name] = {"steps": len(steps), **med}
+    result["ipc"] = ipc_round_trip()
+    return result
+
+
+def format_profile(p: dict[str, Any]) -> str:
+    """A plain-text table (the report renders its own markdown one)."""
+    names = list(p["scenarios"])
+    lines = [f"step profile: {p['model']}, batch {p['batch']}, context ~{p['context_tokens']} tokens (median ms)",
+             f"{'part':26s}" + "".join(f"{n:>16s}" for n in names)]
+    for part in (*PARTS, "total"):
+        row = f"{PART_NAMES.get(part, part):26s}"
+        for n in names:
+            sc = p["scenarios"][n]
+            share = f" ({100 * sc[part] / sc['total']:.0f}%)" if part != "total" and sc["total"] else ""
+            row += f"{1e3 * sc[part]:>10.2f}{share:>6s}"
+        lines.append(row)
+    lines.append(f"{'decodes / new prompt tokens':26s}" + "".join(
+        f"{int(p['scenarios'][n]['decodes']):>8d} / {int(p['scenarios'][n]['prefill_tokens']):<5d}" for n in names))
+    ipc = p["ipc"]
+    lines.append(f"IPC: BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes): ZMQ round trip "
+                 f"{1e6 * ipc['round_trip_s']:.0f} µs, pickle encode+decode alone {1e6 * ipc['pickle_only_s']:.0f} µs")
+    return "\n".join(lines)

@@ -1,0 +1,66 @@
+"""`radixserve bench`: the optimum simulation, the percentiles, and one quick run against a live server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.bench.metrics import percentile
+from runtime.bench.optimum import SimRequest, simulate
+from tests.server_harness import ServerProcess
+
+
+def test_optimum_counts_prefixes_seen_before_and_answers_after_they_finish() -> None:
+    shared = list(range(100))
+    reqs = [
+        SimRequest(0.0, shared + [1000], done_at=1.0, after=[shared + [1000, 7, 8]]),
+        SimRequest(0.5, shared + [2000]),  # sent before the first finished: only its prompt is cached
+        SimRequest(2.0, shared + [1000, 7, 8, 9]),  # a next turn: the first answer is cached by then
+    ]
+    result = simulate(reqs)
+    assert result.per_request == [0, 100, 103]
+    assert result.prompt_tokens == 101 + 101 + 104
+    assert result.rate == pytest.approx(203 / 306)
+
+
+def test_optimum_never_counts_the_last_prompt_token() -> None:
+    # Even an identical prompt must compute its last token to produce logits.
+    result = simulate([SimRequest(0.0, [1, 2, 3]), SimRequest(1.0, [1, 2, 3])])
+    assert result.per_request == [0, 2]
+
+
+def test_percentile() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == pytest.approx(50.5)
+    assert percentile(xs, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "16384"]).start()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_bench_run_reports_throughput_latency_and_hit_rate(server: ServerProcess, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "fewshot.json"
+    cmd = [sys.executable, "-m", "runtime.cli", "bench", "run", "--url", server.url, "--workload", "fewshot",
+           "--quick", "--param", "questions=6", "--param", "max_tokens=4", "--concurrency", "4",
+           "--tokenizer", str(tiny_model_dir), "--flush-cache", "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert s["requests"] == s["ok"] == 6 and s["errors"] == 0
+    assert s["output_tokens"] > 0 and s["requests_per_s"] > 0
+    assert s["ttft_p50_s"] <= s["latency_p99_s"]
+    # Six questions under one few-shot block: all but the first reuse it; the optimum agrees.
+    assert s["optimum_hit_rate"] > 0.5
+    assert s["hit_vs_optimum"] >= 0.95
+    assert s["prompt_token_mismatches"] == 0
