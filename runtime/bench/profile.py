@@ -14,7 +14,8 @@ and plain decode steps of 8 requests at ~1,050 tokens of context. IPC is a ZMQ P
 (ipc://, pickle protocol 5, as ``runtime.ipc``) of a BatchTokenOut with 64 outputs: the message a step
 sends to the detokenizer at batch 64.
 
-The step body is copied from ``Scheduler.step`` (keep the two in step); nothing else is changed.
+The step is assembled from the scheduler's own parts (``_schedule``, ``build_step``, ``forward``, ``_process``)
+in ``Scheduler.step``'s order; nothing else is changed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch buil
 
 def timed_step(sched: Any) -> dict[str, float] | None:
     """One ``Scheduler.step`` with each part timed (seconds); None when there was nothing to run."""
-    from runtime.scheduler.admission import PrefillPlan
     from runtime.scheduler.batch import build_step
 
     sampled = [0.0]
@@ -48,12 +48,7 @@ def timed_step(sched: Any) -> dict[str, float] | None:
     t0 = time.perf_counter()
     sched._collect_grammars()
     sched._pending = []
-    sched._make_decode_room()
-    plans = [PrefillPlan(r, 1) for r in sched.running]
-    for plan in plans:
-        sched.cache.alloc_tokens(plan.req.kv, 1)
-    prefills = sched._admit(len(plans))
-    plans += prefills
+    plans, prefills = sched._schedule()
     if not plans:
         return None
     t1 = time.perf_counter()
