@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -183,8 +182,7 @@ def create_app(args: RouterArgs) -> FastAPI:
 
 def serve_router(args: RouterArgs) -> int:
     """Run the router until SIGINT/SIGTERM; returns the exit status (1 if it could not start)."""
-    import uvicorn
-
+    from runtime.http.uvicorn_server import make_server, run_until_stopped
     from runtime.logging_setup import configure_logging
 
     configure_logging(args.log_level, "router")
@@ -193,14 +191,5 @@ def serve_router(args: RouterArgs) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    config = uvicorn.Config(create_app(args), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                            log_level=args.log_level, access_log=args.log_level == "debug",
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal once it has restored
-    # the previous handlers: these no-op ones receive it, so a requested stop exits 0 (and `serve --dp`
-    # still stops its workers afterwards).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    return 0 if server.started else 1
+    # A requested stop exits 0, and `serve --dp` still stops its workers afterwards.
+    return 0 if run_until_stopped(make_server(create_app(args), args.host, args.port, args.log_level)) else 1

@@ -12,7 +12,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -92,9 +91,8 @@ class Children:
 
 def launch_server(args: ServerArgs) -> int:
     """Run the server until it is stopped; returns the process exit status."""
-    import uvicorn
-
     from runtime.http.app import create_app
+    from runtime.http.uvicorn_server import make_server, run_until_stopped
     from runtime.models.loader import resolve_model_path
     from runtime.tokenizer_manager import TokenizerManager
 
@@ -126,17 +124,8 @@ def launch_server(args: ServerArgs) -> int:
                 server.should_exit = True
 
         app = create_app(tm, served_name(args, original_model), children.gone, fatal)
-        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
-                                log_level=args.log_level, access_log=args.log_level == "debug",
-                                timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
-        # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal once it has
-        # restored the previous handlers; these no-op handlers receive it, so the children are still
-        # stopped below and the server exits 0 after a requested stop.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
-        server.run()
-        if not server.started:
+        server = make_server(app, args.host, args.port, args.log_level)
+        if not run_until_stopped(server):
             status["code"] = status["code"] or 1
         return status["code"]
     except RuntimeError as exc:

@@ -1,73 +1,37 @@
-"""Start a real `radixserve serve` process for tests, and stop it (checking it exits cleanly)."""
+"""Start a real `radixserve serve` process for tests, and stop it (checking it exits cleanly).
+
+The process handling (own process group, health polling, SIGKILL after a timeout) is the benchmarks'
+``ManagedServer``; this adds the test defaults."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+from runtime.bench.servers import ManagedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ROOT", "ServerProcess", "free_port", "pid_alive", "tmp_log"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def tmp_log(name: str) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / name
 
 
-@dataclass
-class ServerProcess:
-    model: str
-    args: list[str] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
+class ServerProcess(ManagedServer):
+    """``radixserve serve --model MODEL ARGS`` on ``port`` (a free one by default), logging to $TMPDIR."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 180.0) -> ServerProcess:
-        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", self.model, "--port", str(self.port),
+    def __init__(self, model: str, args: list[str] | None = None, port: int | None = None):
+        port = port or free_port()
+        self.args = list(args or [])  # kept so that a test can start the same server again
+        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", model, "--port", str(port),
                "--log-level", "warning", *self.args]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-test-{self.port}.log"
-        log = open(self.log_path, "w")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server did not start in {timeout} s:\n{self.log()}")
+        super().__init__("radixserve", cmd, port, tmp_log(f"radixserve-test-{port}.log"))
 
     def log(self) -> str:
-        return self.log_path.read_text()[-5000:] if self.log_path and self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
+        return self.log_tail(5000)
 
     def children(self) -> list[int]:
         """PIDs of the server's child processes (scheduler, detokenizer)."""

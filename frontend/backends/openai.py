@@ -29,7 +29,7 @@ import httpx
 import orjson
 
 from frontend.backends.base import BackendError, BaseBackend, FeatureNotSupported
-from frontend.backends.runtime_endpoint import error_message
+from frontend.backends.http import error_message, post_sse
 from frontend.chat import ChatTemplate, resolve_chat_template
 from frontend.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from frontend.ir import GenParams
@@ -93,21 +93,7 @@ class OpenAI(BaseBackend):
         raise AssertionError("unreachable")
 
     def _stream(self, path: str, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        with self._client.stream("POST", self.base_url + path, content=orjson.dumps(payload),
-                                 headers={"Content-Type": "application/json"}) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise BackendError(f"POST {path}: {error_message(resp)}", resp.status_code)
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    raise BackendError(f"POST {path}: {chunk['error']}")
-                yield chunk
+        return post_sse(self._client, self.base_url, path, payload)
 
     def _first_model(self) -> str:
         models = self._request("GET", "/models").get("data") or []

@@ -19,24 +19,9 @@ import httpx
 import orjson
 
 from frontend.backends.base import BackendError
+from frontend.backends.http import error_message, post_sse
 from frontend.backends.native import NativeBackend
 from frontend.chat import ChatTemplate, resolve_chat_template
-
-
-def error_message(resp: httpx.Response) -> str:
-    """The server's error text: OpenAI-style ``{"error": {"message"}}``, ``{"detail"}``, or the body."""
-    try:
-        body = orjson.loads(resp.content)
-    except orjson.JSONDecodeError:
-        return resp.text[:500] or f"HTTP {resp.status_code}"
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if body.get(key):
-                return str(body[key])
-    return str(body)[:500]
 
 
 class RuntimeEndpoint(NativeBackend):
@@ -75,21 +60,7 @@ class RuntimeEndpoint(NativeBackend):
         return self._post("/generate", payload)
 
     def _call_stream(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        with self._client.stream("POST", self.base_url + "/generate", content=orjson.dumps(payload),
-                                 headers={"Content-Type": "application/json"}) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise BackendError(f"POST /generate: {error_message(resp)}", resp.status_code)
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                frame = orjson.loads(data)
-                if "error" in frame:
-                    raise BackendError(f"POST /generate: {frame['error']}")
-                yield frame
+        return post_sse(self._client, self.base_url, "/generate", payload)
 
     # ------------------------------------------------------------------ control
     def get_model_name(self) -> str:

@@ -75,11 +75,12 @@ class ManagedServer:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Send ``sig`` (SIGKILL to the whole group if it has not exited after ``timeout``); the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

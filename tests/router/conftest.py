@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
-from tests.server_harness import ROOT, ServerProcess, free_port
+from runtime.bench.servers import ManagedServer
+from tests.server_harness import ServerProcess, free_port, tmp_log
 
 WORKER_ARGS = ["--max-total-tokens", "32768", "--num-threads", "1"]
 
@@ -43,53 +38,23 @@ def start_workers(model: str, n: int, kv_events: bool = True) -> list[ServerProc
     return servers
 
 
-@dataclass
-class RouterProcess:
-    worker_urls: list[str]
-    args: list[str] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
+class RouterProcess(ManagedServer):
+    """``python -m router --worker-urls URLS ARGS`` on a free port, logging to $TMPDIR."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, worker_urls: list[str], args: list[str] | None = None):
+        port = free_port()
+        cmd = [sys.executable, "-m", "router", "--port", str(port), "--log-level", "warning",
+               "--worker-urls", *worker_urls, *(args or [])]
+        super().__init__("router", cmd, port, tmp_log(f"radixserve-router-{port}.log"))
 
     def start(self, timeout: float = 120.0, need_healthy: bool = True) -> RouterProcess:
-        cmd = [sys.executable, "-m", "router", "--port", str(self.port), "--log-level", "warning",
-               "--worker-urls", *self.worker_urls, *self.args]
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-router-{self.port}.log"
-        log = open(self.log_path, "w")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(self.url + ("/health" if need_healthy else "/workers"), timeout=1)
-                if r.status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"router did not start in {timeout} s:\n{self.log()}")
+        """Wait for /health, or only for /workers when ``need_healthy`` is off (a router without workers)."""
+        self.health_path = "/health" if need_healthy else "/workers"
+        super().start(timeout)
+        return self
 
     def log(self) -> str:
-        return self.log_path.read_text()[-5000:] if self.log_path and self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 20.0) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
+        return self.log_tail(5000)
 
     def workers(self) -> dict[str, dict]:
         return {w["url"]: w for w in httpx.get(self.url + "/workers", timeout=10).json()["workers"]}
