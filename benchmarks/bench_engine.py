@@ -15,11 +15,11 @@ Usage: python benchmarks/bench_engine.py [--quick] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from engine_steps import decode_step_ms, emit
 from tqdm import tqdm
 
 from runtime.bench.workloads import load_workloads
@@ -57,11 +57,8 @@ def fewshot_hf(tok, model, prompts: list[str], max_tokens: int) -> tuple[float, 
 
 def decode_engine(engine: Engine, batch: int, ctx: int, steps: int) -> float:
     prompts = [[(1000 + 97 * b + i) % 49000 + 3 for i in range(ctx)] for b in range(batch)]
-    engine._control(lambda s: s.stats.decode_steps.clear())
-    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 1, "temperature": 0,
-                                                        "ignore_eos": True})
-    times = engine._control(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
-    return 1000 * statistics.median(times)
+    params = {"max_new_tokens": steps + 1, "temperature": 0, "ignore_eos": True}
+    return decode_step_ms(engine, batch, lambda: engine.generate(input_ids=prompts, sampling_params=params))[0]
 
 
 @torch.inference_mode()
@@ -115,10 +112,7 @@ def main() -> None:
                           "engine_tok_s": round(b * 1000 / e_decode[b], 1),
                           "hf_tok_s": round(b * 1000 / h_decode[b], 1)} for b in args.batches},
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

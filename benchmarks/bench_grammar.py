@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from engine_steps import decode_step_ms, emit
 from tqdm import tqdm
 
 from runtime.constrained.grammar import GrammarBackend
@@ -51,13 +52,11 @@ def decode_ms(engine: Engine, batch: int, steps: int, constrained: bool) -> floa
     params: dict = {"max_new_tokens": steps + 1, "temperature": 0, "ignore_eos": not constrained}
     if constrained:
         params["json_schema"] = json.dumps(SCHEMA)
-    engine._control(lambda s: s.stats.decode_steps.clear())
-    outs = engine.generate([prompt(i) for i in range(batch)], params)
+    ms, outs = decode_step_ms(engine, batch, lambda: engine.generate([prompt(i) for i in range(batch)], params))
     if constrained:
         for o in outs:
             assert o["meta_info"]["finish_reason"]["type"] == "length", "a request finished early"
-    times = engine._control(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
-    return 1000 * statistics.median(times)
+    return ms
 
 
 def compile_times(repeats: int = 4) -> dict[str, float]:
@@ -104,10 +103,7 @@ def main() -> None:
     engine.shutdown()
     result = {"date": time.strftime("%Y-%m-%d"), "decode": rows,
               "compile": {k: round(v, 2) for k, v in compile_times().items()}}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

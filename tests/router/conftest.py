@@ -50,8 +50,7 @@ class RouterProcess(ManagedServer):
     def start(self, timeout: float = 120.0, need_healthy: bool = True) -> RouterProcess:
         """Wait for /health, or only for /workers when ``need_healthy`` is off (a router without workers)."""
         self.health_path = "/health" if need_healthy else "/workers"
-        super().start(timeout)
-        return self
+        return super().start(timeout)
 
     def log(self) -> str:
         return self.log_tail(5000)
