@@ -1,6 +1,6 @@
 """Engine vs Hugging Face transformers on one machine, in one run.
 
-1. Throughput on the few-shot workload of the shared benchmark suite (one ~1,000-token block of
+1. Throughput on the built-in few-shot workload (runtime/bench/workloads.py: one ~1,000-token block of
    examples + 64 questions, greedy, 16 new tokens): the in-process Engine gets all requests at once;
    transformers runs ``generate`` on each request in turn (no sharing) — the naive baseline.
 2. Decode ms/step at batch 1, 8 and 32 over distinct 512-token prompts, for both. For the Engine this is
@@ -8,8 +8,7 @@
    transformers one ``model(...)`` call with its KV cache.
 
 Usage: python benchmarks/bench_engine.py [--quick] [--json out.json]
-       (--quick: 16 few-shot questions and fewer decode steps; the shared workloads are read from
-       $RADIXSERVE_BENCH_DIR, default ../shared/bench next to the repository)
+       (--quick: 16 few-shot questions and fewer decode steps)
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 from engine_steps import decode_step_ms, emit
 from tqdm import tqdm
 
-from runtime.bench.workloads import load_workloads
+from runtime.bench.workloads import fewshot
 from runtime.engine import Engine
 from runtime.models.loader import resolve_model_path
 
@@ -85,7 +84,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    wl = load_workloads().fewshot(questions=16 if args.quick else 64)
+    wl = fewshot(questions=16 if args.quick else 64)
     prompts = [r["body"]["prompt"] for r in wl["requests"]]
     max_tokens = wl["params"]["max_tokens"]
     steps = 8 if args.quick else 24

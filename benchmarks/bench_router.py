@@ -7,7 +7,7 @@ policy, caches flushed, and two workloads run through the router's OpenAI API:
 (a) ``groups``: G groups x R requests. Each group has its own long shared prefix (a procedurally written
     handbook: a different text per group), each request adds its own question; all G x R requests are
     shuffled together (many tenants at once) and sent ``--concurrency`` at a time via /v1/completions.
-(b) ``multiturn``: the multi-turn chat workload of ``../shared/bench/workloads.py`` (sessions run at once,
+(b) ``multiturn``: the built-in multi-turn chat workload (``runtime.bench.workloads``; sessions run at once,
     every turn re-sends the history) via /v1/chat/completions.
 
 The per-worker KV pool is what makes routing matter: a cache-aware router gives each worker a third of
@@ -39,7 +39,6 @@ import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BENCH_DIR = ROOT.parent / "shared" / "bench"
 
 TOWNS = ["Brookhaven", "Millbridge", "Eastwick", "Larkspur", "Stonefield", "Riverton", "Ashford", "Pinecrest",
          "Harborview", "Westmoor", "Oakridge", "Silverlake", "Thornbury", "Cedar Falls", "Fairbanks", "Glenrock"]
@@ -82,11 +81,10 @@ def groups_workload(seed: int, groups: int, per_group: int, prefix_words: int, m
     return reqs
 
 
-def multiturn_workload(bench_dir: Path, **params: Any) -> dict:
-    sys.path.insert(0, str(bench_dir))
-    import workloads  # type: ignore[import-not-found]
+def multiturn_workload(**params: Any) -> dict:
+    from runtime.bench.workloads import multiturn
 
-    return workloads.multiturn(**params)
+    return multiturn(**params)
 
 
 # --------------------------------------------------------------------------- client
@@ -284,14 +282,13 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--router-args", default="", help="extra router flags, e.g. '--balance-abs-threshold 4'")
-    ap.add_argument("--bench-dir", type=Path, default=DEFAULT_BENCH_DIR, help="folder of workloads.py")
     ap.add_argument("--out", type=Path, default=Path("bench_router.json"))
     ap.add_argument("--log-dir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "bench_router")
     args = ap.parse_args()
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
     groups = groups_workload(args.seed, args.groups, args.per_group, args.prefix_words, args.max_tokens)
-    multiturn = multiturn_workload(args.bench_dir, seed=args.seed, sessions=args.sessions, turns=args.turns)
+    multiturn = multiturn_workload(seed=args.seed, sessions=args.sessions, turns=args.turns)
     print(f"starting {args.workers} workers ({args.model}, KV pool {args.kv_tokens} tokens each) ...", flush=True)
     t0 = time.perf_counter()
     workers = start_workers(args, args.log_dir)
@@ -315,7 +312,7 @@ def main() -> int:
             stop(proc)
     lines = print_table(results)
     report = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "params": vars(args) | {
-        "bench_dir": str(args.bench_dir), "out": str(args.out), "log_dir": str(args.log_dir)},
+        "out": str(args.out), "log_dir": str(args.log_dir)},
         "results": results, "table": lines}
     args.out.write_text(json.dumps(report, indent=1, default=str))
     print(f"saved {args.out}")

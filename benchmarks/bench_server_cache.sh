@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The server with the radix cache on and off on the four shared workloads, measured by the shared
-# client (../shared/bench/client_bench.py: throughput, TTFT, latency). The cache hit rate of each run is
-# the difference of the server's Prometheus counters (cached / prompt tokens) before and after it.
+# The server with the radix cache on and off on the four built-in workloads, measured by
+# `radixserve bench run` (throughput, TTFT, latency; no warm-up request, cache not flushed). The cache hit
+# rate of each run is the difference of the server's Prometheus counters (cached / prompt tokens) before
+# and after it.
 #
 # Usage: benchmarks/bench_server_cache.sh [OUT_DIR]   (default: bench_results/server_cache)
 # Starts two servers (ports 30100 and 30101), runs each workload against each in turn, stops them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_results/server_cache}
-BENCH=${RADIXSERVE_BENCH_DIR:-../shared/bench}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 : > "$OUT/results.jsonl"
@@ -35,8 +35,8 @@ for workload in fewshot multiturn parallel agent; do
   for mode in on off; do
     port=${PORT[$mode]}
     p0=$(counter "$port" prompt_tokens); c0=$(counter "$port" cached_tokens)
-    "$PY" "$BENCH/client_bench.py" --workload "$workload" --base-url "http://127.0.0.1:$port/v1" \
-      --concurrency 8 --label "$workload cache-$mode" --out "$OUT/client_$mode.jsonl"
+    "$PY" -m runtime.cli bench run --url "http://127.0.0.1:$port" --workload "$workload" --concurrency 8 \
+      --no-warmup --no-optimum --no-progress --label "cache-$mode" --out "$OUT/run_${workload}_$mode.json"
     p1=$(counter "$port" prompt_tokens); c1=$(counter "$port" cached_tokens)
     echo "{\"workload\": \"$workload\", \"cache\": \"$mode\", \"prompt_tokens\": $((p1 - p0)), \"cached_tokens\": $((c1 - c0))}" \
       >> "$OUT/results.jsonl"
@@ -47,10 +47,9 @@ done
 import json, sys
 out = sys.argv[1]
 runs = {}
-for mode in ("on", "off"):
-    for line in open(f"{out}/client_{mode}.jsonl"):
-        s = json.loads(line)
-        runs[(s["label"].split()[0], mode)] = s
+for wl in ("fewshot", "multiturn", "parallel", "agent"):
+    for mode in ("on", "off"):
+        runs[(wl, mode)] = json.load(open(f"{out}/run_{wl}_{mode}.json"))["summary"]
 hits = {(r["workload"], r["cache"]): r for r in map(json.loads, open(f"{out}/results.jsonl"))}
 print("| workload | cache | wall s | req/s | seq/s | out tok/s | TTFT p50 s | TTFT p99 s | hit rate | errors | speed-up |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -1,1 +1,1 @@
-"""Benchmark tooling: the shared workloads, an OpenAI-API load client, and the comparison runner."""
+"""Benchmark tooling: seeded prefix-heavy workloads, an OpenAI-API load client, and the comparison runner."""

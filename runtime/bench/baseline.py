@@ -1,79 +1,119 @@
 """The naive baseline: plain transformers ``generate``, one request at a time, in-process, nothing shared.
 
-This is what a user without a serving runtime would write. The per-request work is the shared suite's
-``HFRunner`` (``client_bench.py``: tokenization, chat template, greedy or seeded sampling, stop ids, TTFT
-from a streamer), so the peers' reference figures and ours come from the same code; this module only
-drives it over a workload in the same order the HTTP client would, and turns its records into ours.
+This is what a user without a serving runtime would write: each request is tokenized on its own
+(completions: the prompt as is; chat: the model's chat template with the generation prompt), run through
+``model.generate`` with its KV cache for that request only, and decoded. Greedy requests take one
+sequence; sampled ones ``num_return_sequences = n`` with ``torch.manual_seed(seed)`` when the request has a
+seed. Generation stops at the tokenizer's end-of-sequence token and at ``<|endoftext|>`` when the
+vocabulary has it (the default model ends a turn with ``<|im_end|>`` but may also emit that one). The time
+to the first token comes from a streamer (its first call carries the prompt, the second the first new
+token). Requests run in the order the HTTP client would send them, sessions step by step.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from tqdm import tqdm
 
 from runtime.bench.client import RequestRecord, RunResult, count_http_requests
-from runtime.bench.workloads import bench_dir
+from runtime.bench.paths import portable_path
+
+DTYPES = ("fp32", "bf16")
 
 
-def load_client_bench() -> ModuleType:
-    """The shared ``client_bench.py``; it imports its neighbours (``workloads``, ``smol_model``) by name,
-    so its folder goes on ``sys.path`` first."""
-    folder = bench_dir()
-    path = folder / "client_bench.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; set RADIXSERVE_BENCH_DIR to the shared bench folder")
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    cached = sys.modules.get("radixserve_shared_client_bench")
-    if cached is not None:
-        return cached
-    spec = importlib.util.spec_from_file_location("radixserve_shared_client_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+class _FirstTokenClock:
+    """A ``generate`` streamer that only notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_at is None:  # call 1 carries the prompt
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 class NaiveTransformers:
     """``model.generate`` per request (fp32, ``threads`` torch threads, KV cache within a request only)."""
 
     def __init__(self, model_dir: str | Path, threads: int = 2, dtype: str = "fp32"):
-        cb = load_client_bench()
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: one of {', '.join(DTYPES)}, got {dtype!r}")
+        torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.runner = cb.HFRunner(str(model_dir), dtype, threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32 if dtype == "fp32" else torch.bfloat16).eval()
         self.load_s = time.perf_counter() - t0
+        stops = {self.tokenizer.eos_token_id}
+        vocab = self.tokenizer.get_vocab()
+        if "<|endoftext|>" in vocab:
+            stops.add(vocab["<|endoftext|>"])
+        self.stop_ids = sorted(int(t) for t in stops if t is not None)
         self.model_dir = str(model_dir)
         self.threads = threads
         self.dtype = dtype
 
     @property
     def target(self) -> str:
-        return f"transformers generate, sequential ({self.dtype}, {self.threads} threads, {self.model_dir})"
+        return (f"transformers generate, sequential ({self.dtype}, {self.threads} threads, "
+                f"{portable_path(self.model_dir)})")
 
     def warmup(self) -> None:
-        self.runner.send("warmup", "completions", {"prompt": "Warm-up request.", "max_tokens": 4,
-                                                   "temperature": 0.0})
-        self.runner.records.clear()
+        self._send("warmup", "completions", {"prompt": "Warm-up request.", "max_tokens": 4, "temperature": 0.0},
+                   time.perf_counter())
+
+    def _prompt_ids(self, endpoint: str, body: dict[str, Any]) -> Any:
+        if endpoint == "completions":
+            return self.tokenizer(body["prompt"], return_tensors="pt", add_special_tokens=False).input_ids
+        enc: Any = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True, return_tensors="pt")
+        return enc["input_ids"]
 
     def _send(self, rid: str, endpoint: str, body: dict[str, Any], t0: float) -> RequestRecord:
-        r = self.runner.send(rid, endpoint, body)
-        rec = RequestRecord(rid, endpoint, body, max(int(body.get("n", 1) or 1), 1))
-        rec.sent_at = r.start - t0
-        rec.first_token_at = None if r.ttft is None else r.ttft - t0
-        rec.done_at = None if r.end is None else r.end - t0
-        rec.texts = dict(r.texts)
-        rec.chunks = r.chunks
-        rec.output_tokens = r.usage_out
-        rec.prompt_tokens = r.usage_in
-        rec.error = r.error
+        import torch
+
+        n = max(int(body.get("n", 1) or 1), 1)
+        rec = RequestRecord(rid, endpoint, body, n)
+        rec.sent_at = time.perf_counter() - t0
+        clock = _FirstTokenClock()
+        try:
+            ids = self._prompt_ids(endpoint, body)
+            temperature = 1.0 if body.get("temperature") is None else float(body["temperature"])  # OpenAI's default
+            kwargs: dict[str, Any] = {"max_new_tokens": int(body.get("max_tokens") or 16),
+                                      "eos_token_id": self.stop_ids, "pad_token_id": self.tokenizer.pad_token_id,
+                                      "use_cache": True, "streamer": clock}
+            if temperature > 0:
+                if body.get("seed") is not None:
+                    torch.manual_seed(int(body["seed"]))
+                kwargs.update(do_sample=True, temperature=temperature, top_p=float(body.get("top_p", 1.0)),
+                              top_k=0, num_return_sequences=n)
+            else:
+                kwargs.update(do_sample=False, num_return_sequences=1)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+            produced = 0
+            for j, row in enumerate(out[:, ids.shape[1]:].tolist()):
+                cut = next((k for k, t in enumerate(row) if t in self.stop_ids), len(row))
+                produced += cut
+                rec.texts[j] = str(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
+            rec.output_tokens = rec.chunks = produced
+            rec.prompt_tokens = int(ids.shape[1])
+        except Exception as exc:  # one failing request is recorded, as an HTTP error would be
+            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+        rec.first_token_at = None if clock.first_at is None else clock.first_at - t0
+        rec.done_at = time.perf_counter() - t0
         return rec
 
     def run(self, wl: dict[str, Any], progress: bool = True, label: str = "") -> RunResult:
@@ -101,5 +141,4 @@ class NaiveTransformers:
             wall = time.perf_counter() - t0
         finally:
             bar.close()
-        self.runner.records.clear()
         return RunResult(wl["name"], dict(wl["params"]), wl.get("description", ""), self.target, records, wall)

@@ -1,6 +1,8 @@
-"""``radixserve bench``: run one workload against a URL, compare the systems, regenerate the report, profile.
+"""``radixserve bench``: run one workload against a URL, compare the systems, regenerate the report, profile,
+and write a generated workload to a file.
 
-Imports are deferred to the subcommand that needs them, so ``radixserve --help`` stays fast.
+Imports beyond the (standard-library only) workload generators are deferred to the subcommand that needs
+them, so ``radixserve --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,23 +13,32 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.bench.workloads import QUICK_PARAMS
+from runtime.bench.workloads import WORKLOADS as GENERATORS
+
 SYSTEMS = ("radixserve", "radixserve-nocache", "transformers", "llamacpp")
-WORKLOADS = ("fewshot", "multiturn", "parallel", "agent")
+WORKLOADS = tuple(GENERATORS)
+FILE_HELP = ("A workload file to run instead of a generated workload: JSON (a workload object or a list of "
+             "requests/sessions) or, for *.jsonl, one request or session per line. Format: the docstring of "
+             "runtime/bench/workloads.py; `radixserve bench workload NAME --out FILE` writes one.")
+QUICK_HELP = ", ".join(f"{name} {' '.join(f'{k}={v}' for k, v in p.items())}" for name, p in QUICK_PARAMS.items())
 
 
 def add_bench_parser(sub: Any) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    bench = sub.add_parser("bench", help="Benchmarks: the shared workloads against radixserve and its peers.",
-                           description="Benchmarks on the shared workloads of ../shared/bench (few-shot, "
-                           "multi-turn chat, parallel sampling, agent loop).")
+    bench = sub.add_parser("bench", help="Benchmarks: prefix-heavy workloads against radixserve and its peers.",
+                           description="Benchmarks on four seeded, built-in workloads (few-shot, multi-turn chat, "
+                           "parallel sampling, agent loop) or on workload files.")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     run = bsub.add_parser("run", formatter_class=fmt, help="Run one workload against an OpenAI-compatible URL.",
                           description="Run one workload against any OpenAI-compatible server and print throughput, "
                           "TTFT and latency percentiles, errors, and the cache hit rate next to its optimum.")
     run.add_argument("--url", required=True, help="Server URL, with or without /v1 (e.g. http://127.0.0.1:30000).")
-    run.add_argument("--workload", required=True, choices=WORKLOADS, help="Which shared workload to run.")
-    run.add_argument("--quick", action="store_true", help="Use the small --quick sizes of the workload.")
+    which = run.add_mutually_exclusive_group(required=True)
+    which.add_argument("--workload", choices=WORKLOADS, help="Which built-in workload to generate and run.")
+    which.add_argument("--workload-file", metavar="PATH", help=FILE_HELP)
+    run.add_argument("--quick", action="store_true", help=f"Use the small --quick sizes ({QUICK_HELP}).")
     run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                      help="Override a workload parameter (repeatable), e.g. questions=16.")
     run.add_argument("--concurrency", type=int, default=8, help="Requests in flight at most.")
@@ -50,9 +61,12 @@ def add_bench_parser(sub: Any) -> None:
                           "generate and llama.cpp's server (llama-cpp-python; skipped if not installed) on the same "
                           "workloads, save the results and write a report with plots.")
     cmp.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="Systems to measure.")
-    cmp.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), help="Workloads to run.")
-    cmp.add_argument("--quick", action="store_true", help="Small workloads (fewshot questions=8, multiturn "
-                     "sessions=2, parallel prompts=2, agent agents=2): minutes instead of about an hour.")
+    cmp.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                     help="Built-in workloads to run.")
+    cmp.add_argument("--workload-file", action="append", default=[], metavar="PATH",
+                     help="Run this workload file (repeatable) instead of the built-in workloads; see bench run.")
+    cmp.add_argument("--quick", action="store_true", help=f"Small workloads ({QUICK_HELP}): minutes instead of "
+                     "about an hour.")
     cmp.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                      help="Override a parameter of every workload that has it (repeatable), e.g. max_tokens=16.")
     cmp.add_argument("--out", default=None, help="Results folder (default: bench_results/<date_time>).")
@@ -72,10 +86,20 @@ def add_bench_parser(sub: Any) -> None:
                           "a results folder of `radixserve bench compare`.")
     rep.add_argument("results", help="Results folder (holds summary.json and records.jsonl).")
     rep.add_argument("--docs", default=None, help="Page whose marked section is rewritten (default: the "
-                     "repository's docs/benchmarks.md).")
+                     "checkout's docs/benchmarks.md).")
     rep.add_argument("--img-dir", default=None, help="Where the PNGs go (default: img/ beside the page).")
     rep.add_argument("--local", action="store_true",
                      help="Write report.md and img/ inside the results folder instead of the docs.")
+
+    wlp = bsub.add_parser("workload", formatter_class=fmt, help="Generate a built-in workload: sizes or a file.",
+                          description="Generate one built-in workload (seeded: the same parameters always give "
+                          "the same requests) and print its sizes, or write it as a workload file for "
+                          "--workload-file (JSON, or JSON Lines when the name ends in .jsonl).")
+    wlp.add_argument("name", choices=WORKLOADS, help="Which workload.")
+    wlp.add_argument("--quick", action="store_true", help=f"Use the small --quick sizes ({QUICK_HELP}).")
+    wlp.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="Override a workload parameter (repeatable), e.g. seed=3.")
+    wlp.add_argument("--out", default=None, help="Write the workload to this file.")
 
     prof = bsub.add_parser("profile", formatter_class=fmt, help="Time the parts of one scheduler step in-process.",
                            description="Time scheduling, batch building, model forward, sampling and result "
@@ -90,12 +114,18 @@ def add_bench_parser(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from runtime.bench.client import run_workload
-    from runtime.bench.compare import make_workload, parse_params
     from runtime.bench.metrics import format_summary, summarize
+    from runtime.bench.workload_files import load_workload_file
+    from runtime.bench.workloads import make_workload, parse_params
 
-    wl = make_workload(args.workload, args.quick, parse_params(args.param))
+    if args.workload_file:
+        if args.quick or args.param:
+            raise ValueError("--quick and --param apply to the built-in workloads, not to --workload-file")
+        wl = load_workload_file(args.workload_file)
+    else:
+        wl = make_workload(args.workload, args.quick, parse_params(args.param))
     run = run_workload(args.url, wl, concurrency=args.concurrency, n_mode=args.n_mode, model=args.model,
-                       timeout=args.timeout, progress=not args.no_progress, label=f"{args.label}/{args.workload}",
+                       timeout=args.timeout, progress=not args.no_progress, label=f"{args.label}/{wl['name']}",
                        warmup=not args.no_warmup, flush=args.flush_cache)
     opt, mismatches = None, None
     if not args.no_optimum:
@@ -114,26 +144,38 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:
-    from runtime.bench.compare import CompareOptions, default_command, parse_params, run_compare
+    from runtime.bench.compare import CompareOptions, default_command, run_compare
+    from runtime.bench.workloads import parse_params
 
     opts = CompareOptions(systems=args.systems, workloads=args.workloads, quick=args.quick,
                           out=Path(args.out) if args.out else None, concurrency=args.concurrency, model=args.model,
                           threads=args.threads, timeout=args.timeout, params=parse_params(args.param),
                           profile=not args.no_profile, update_docs=args.update_docs, progress=not args.no_progress,
-                          command=default_command(argv))
+                          command=default_command(argv), workload_files=[Path(p) for p in args.workload_file])
     run_compare(opts)
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from runtime.bench.paths import docs_page
     from runtime.bench.report import generate
-    from runtime.bench.workloads import REPO
 
     if args.local:
         generate(Path(args.results))
     else:
-        generate(Path(args.results), docs=Path(args.docs) if args.docs else REPO / "docs" / "benchmarks.md",
+        generate(Path(args.results), docs=Path(args.docs) if args.docs else docs_page(),
                  img_dir=Path(args.img_dir) if args.img_dir else None)
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> int:
+    from runtime.bench.workload_files import dump_workload, workload_sizes
+    from runtime.bench.workloads import make_workload, parse_params
+
+    wl = make_workload(args.name, args.quick, parse_params(args.param))
+    print(f"{workload_sizes(wl)}; {wl['description']}")
+    if args.out:
+        print(f"wrote {dump_workload(wl, args.out)}")
     return 0
 
 
@@ -157,6 +199,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             return _compare(args, argv)
         if args.bench_command == "report":
             return _report(args)
+        if args.bench_command == "workload":
+            return _workload(args)
         return _profile(args)
     except (FileNotFoundError, ValueError, ConnectionError) as exc:
         print(f"radixserve bench {args.bench_command}: {exc}", file=sys.stderr)

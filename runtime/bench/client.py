@@ -1,4 +1,4 @@
-"""An asyncio load client for any OpenAI-compatible server, driving the shared workloads.
+"""An asyncio load client for any OpenAI-compatible server, driving the workloads of ``workloads.py``.
 
 Every request streams (``stream: true`` with ``stream_options.include_usage``), so the time to the first
 token is observable and the usage block (prompt, completion and cached tokens) still arrives at the end.
@@ -124,7 +124,11 @@ class OpenAIClient:
             connector=aiohttp.TCPConnector(limit=0, force_close=True),
         )
         if self.model is None:
-            self.model = await self._first_model()
+            try:
+                self.model = await self._first_model()
+            except BaseException:  # __aexit__ does not run when __aenter__ fails
+                await self._session.close()
+                raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,5 +1,7 @@
 """The comparison runner: every system on the same workloads, one machine, one run.
 
+Workloads are the generators of ``workloads.py`` (or the files given with ``--workload-file``).
+
 Systems, each measured on the same requests with the same ``max_tokens`` (greedy where the workload says):
 
 - ``radixserve``: ``radixserve serve`` on a free port, the default model;
@@ -16,11 +18,9 @@ each workload, so every workload starts cold. Results go to ``--out`` (``bench_r
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import platform
-import shlex
 import sys
 import time
 import traceback
@@ -33,48 +33,9 @@ from runtime.bench.cli import SYSTEMS, WORKLOADS
 from runtime.bench.client import RunResult, run_workload
 from runtime.bench.metrics import format_summary, summarize
 from runtime.bench.optimum import PromptTokenizer, optimum_for
-from runtime.bench.workloads import REPO, bench_dir, load_workloads
-
-# --quick: small enough that the slowest system (transformers, sequential) finishes each in about a minute.
-QUICK_PARAMS: dict[str, dict[str, Any]] = {
-    "fewshot": {"questions": 8},
-    "multiturn": {"sessions": 2},
-    "parallel": {"prompts": 2},
-    "agent": {"agents": 2},
-}
-
-
-def make_workload(name: str, quick: bool = False, overrides: dict[str, Any] | None = None,
-                  strict: bool = True) -> dict[str, Any]:
-    """The shared workload ``name`` (quick sizes if asked) with ``overrides``; ``strict=False`` drops the
-    overrides this workload has no parameter for (compare applies one set to every workload)."""
-    module = load_workloads()
-    params = dict(QUICK_PARAMS.get(name, {})) if quick else {}
-    accepted = inspect.signature(module.WORKLOADS[name]).parameters
-    params.update({k: v for k, v in (overrides or {}).items() if strict or k in accepted})
-    unknown = sorted(set(params) - set(accepted))
-    if unknown:
-        raise ValueError(f"workload {name} has no parameter(s) {unknown}; it takes {', '.join(accepted)}")
-    wl: dict[str, Any] = module.make(name, **params)
-    return wl
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """``["questions=16", "temperature=0.5"]`` -> ``{"questions": 16, "temperature": 0.5}``."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--param {item!r}: expected NAME=VALUE")
-        for cast in (int, float):
-            try:
-                out[key] = cast(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
-    return out
+from runtime.bench.paths import REPO, default_results_root, docs_page, portable_command
+from runtime.bench.workload_files import load_workload_file
+from runtime.bench.workloads import make_workload
 
 
 @dataclass
@@ -88,6 +49,7 @@ class CompareOptions:
     threads: int = 0  # 0: all cores (radixserve's default), also used for transformers and llama.cpp
     timeout: float = 3600.0
     params: dict[str, Any] = field(default_factory=dict)  # workload overrides (applied to every workload)
+    workload_files: list[Path] = field(default_factory=list)  # measured instead of the generated workloads
     profile: bool = True
     update_docs: bool = False
     progress: bool = True
@@ -130,15 +92,15 @@ def machine_info() -> dict[str, Any]:
 class Comparison:
     def __init__(self, opts: CompareOptions):
         self.opts = opts
-        self.out = Path(opts.out or REPO / "bench_results" / time.strftime("%Y-%m-%d_%H%M%S"))
+        self.out = Path(opts.out or default_results_root() / time.strftime("%Y-%m-%d_%H%M%S"))
         self.out.mkdir(parents=True, exist_ok=True)
         self.logs = self.out / "logs"
         self.threads = opts.threads or len(os.sched_getaffinity(0))
-        self.workloads = {name: make_workload(name, opts.quick, opts.params, strict=False) for name in opts.workloads}
+        self.workloads = load_workloads(opts)
         self.summary: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": opts.command, "quick": opts.quick,
             "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
-            "workloads": {n: {"params": w["params"], "description": w["description"]}
+            "workloads": {n: {"params": w["params"], "description": w["description"], "source": w.get("source")}
                           for n, w in self.workloads.items()},
             "systems": {}, "results": [], "profile": None,
         }
@@ -172,7 +134,8 @@ class Comparison:
     # ------------------------------------------------------------------ systems
     def _run_server(self, name: str, make: Callable[[], Any], n_mode: str, flush: bool) -> None:
         server = make()
-        self.summary["systems"][name] = {"status": "starting", "command": server.command_line, "n_mode": n_mode}
+        self.summary["systems"][name] = {"status": "starting", "command": portable_command(server.cmd),
+                                         "n_mode": n_mode}
         with server:
             for wl_name, wl in self.workloads.items():
                 run = run_workload(server.url, wl, concurrency=self.opts.concurrency, n_mode=n_mode,
@@ -188,7 +151,7 @@ class Comparison:
 
         hf = NaiveTransformers(resolve_model_path(self.opts.model), threads=self.threads)
         self.summary["systems"]["transformers"] = {
-            "status": "starting", "command": f"in-process: {hf.target} (client_bench.HFRunner of the shared suite)",
+            "status": "starting", "command": f"in-process: {hf.target} (runtime/bench/baseline.py)",
             "load_s": round(hf.load_s, 2)}
         hf.warmup()
         for wl_name, wl in self.workloads.items():
@@ -250,19 +213,36 @@ class Comparison:
 
         generate(self.out)  # report.md + img/ inside the results folder
         if self.opts.update_docs:
-            generate(self.out, docs=REPO / "docs" / "benchmarks.md", img_dir=REPO / "docs" / "img")
+            page = docs_page()
+            generate(self.out, docs=page, img_dir=page.parent / "img")
         print(f"\ndone in {self.summary['duration_s'] / 60:.1f} min; results and report in {self.out}", flush=True)
         return self.out
+
+
+def load_workloads(opts: CompareOptions) -> dict[str, dict[str, Any]]:
+    """The workloads of a comparison: the files of ``--workload-file`` if any, else the generated ones."""
+    if not opts.workload_files:
+        return {name: make_workload(name, opts.quick, opts.params, strict=False) for name in opts.workloads}
+    out: dict[str, dict[str, Any]] = {}
+    for path in opts.workload_files:
+        wl = load_workload_file(path)
+        if wl["name"] in out:
+            raise ValueError(f"two workload files are named {wl['name']!r}; give them different names")
+        out[wl["name"]] = wl
+    return out
 
 
 def run_compare(opts: CompareOptions) -> Path:
     unknown = [s for s in opts.systems if s not in SYSTEMS] + [w for w in opts.workloads if w not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown systems/workloads {unknown}; systems: {SYSTEMS}, workloads: {WORKLOADS}")
-    if not (bench_dir() / "workloads.py").is_file():
-        raise FileNotFoundError(f"no shared workloads at {bench_dir()} (set RADIXSERVE_BENCH_DIR)")
+    if opts.workload_files and (opts.quick or opts.params):
+        raise ValueError("--quick and --param apply to the built-in workloads, not to --workload-file")
+    if opts.update_docs:
+        docs_page()  # fail now, not after an hour of measuring, when there is no page to update
     return Comparison(opts).run()
 
 
 def default_command(argv: list[str]) -> str:
-    return "radixserve " + shlex.join(argv)
+    """The command as typed, for the report: ``radixserve`` and its arguments, paths made portable."""
+    return portable_command(["radixserve", *argv])

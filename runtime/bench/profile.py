@@ -101,7 +101,7 @@ def ipc_round_trip(outputs: int = 64, iters: int = 300) -> dict[str, float]:
 def run_profile(model: str = "default", threads: int | None = None, batch: int = 8, decode_steps: int = 16,
                 repeats: int = 3) -> dict[str, Any]:
     """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
-    from runtime.bench.compare import make_workload
+    from runtime.bench.workloads import make_workload
     from runtime.config import ServerArgs
     from runtime.executor.model_runner import ModelRunner
     from runtime.messages import TokenizedRequest

@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from runtime.bench.paths import portable_text
+from runtime.bench.workloads import SOURCE
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 ORDER = ("radixserve", "radixserve-nocache", "transformers", "llamacpp")
 LABELS = {"radixserve": "radixserve", "radixserve-nocache": "radixserve, radix cache off",
@@ -210,6 +213,18 @@ def _profile_table(p: dict[str, Any]) -> list[str]:
     return out
 
 
+def _sources(summary: dict[str, Any]) -> str:
+    """Where the requests came from: the built-in generators and/or workload files (by name)."""
+    names: list[str] = []
+    for info in summary.get("workloads", {}).values():
+        src = info.get("source")
+        text = ("the built-in generators (`runtime/bench/workloads.py`)" if src == SOURCE
+                else f"`{portable_text(str(src))}`" if src else "the workload generators")
+        if text not in names:
+            names.append(text)
+    return ", ".join(names) or "the workload generators"
+
+
 def render_section(summary: dict[str, Any], image_links: list[str]) -> str:
     results = summary["results"]
     systems, workloads, idx = _systems(results), _workloads(results), _index(results)
@@ -225,28 +240,28 @@ def render_section(summary: dict[str, Any], image_links: list[str]) -> str:
               f"transformers {m.get('transformers')}; commit {m.get('commit')}.",
               f"- Load average (1/5/15 min) at start {m.get('load_average_start')}, at end {m.get('load_average_end')} "
               "(the machine is shared: wall times are noisier than token counts and hit rates).",
-              f"- Command: `{summary.get('command') or 'radixserve bench compare'}`", ""]
+              f"- Command: `{portable_text(summary.get('command') or 'radixserve bench compare')}`", ""]
     lines += ["| system | how it ran |", "| --- | --- |"]
     for s in ORDER:
         info = summary.get("systems", {}).get(s)
         if info is None:
             continue
-        how = f"`{info['command']}`" if info.get("command") else ""
+        how = f"`{portable_text(info['command'])}`" if info.get("command") else ""
         if info.get("status") == "skipped":
-            how = f"skipped: {info.get('reason')}"
+            how = f"skipped: {portable_text(str(info.get('reason')))}"
         elif info.get("status") == "failed":
-            how += f" — **failed**: {str(info.get('reason')).splitlines()[0][:200]}"
+            how += f" — **failed**: {portable_text(str(info.get('reason')).splitlines()[0][:200])}"
         if info.get("n_mode") == "expand":
             how += " (n > 1 sent as n requests)"
         lines.append(f"| {LABELS.get(s, s)} | {how} |")
-    lines += ["", "Every system gets the same requests from `../shared/bench/workloads.py`, at concurrency "
+    lines += ["", f"Every system gets the same requests from {_sources(summary)}, at concurrency "
               f"{summary.get('options', {}).get('concurrency', '?')} (HTTP servers; transformers runs them one by "
               "one), "
               "with one unmeasured warm-up request and a cold cache per workload.", "",
               "| workload | what | sizes |", "| --- | --- | --- |"]
     for wl in workloads:
         info = summary.get("workloads", {}).get(wl, {})
-        params = ", ".join(f"{k}={v}" for k, v in info.get("params", {}).items())
+        params = ", ".join(f"{k}={portable_text(str(v))}" for k, v in info.get("params", {}).items())
         lines.append(f"| {wl} | {info.get('description', '')} | {params} |")
     lines += [""] + [f"![{Path(link).stem}]({link})" for link in image_links] + [""]
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import httpx
 
-from runtime.bench.workloads import REPO
+from runtime.bench.paths import REPO, in_checkout
 
 _Server = TypeVar("_Server", bound="ManagedServer")  # start() returns the subclass it was called on
 
@@ -56,8 +56,8 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **self.env)
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO if in_checkout() else None, stdout=log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
