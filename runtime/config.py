@@ -72,8 +72,14 @@ class ServerArgs:
     # ---------------------------------------------------------------- kernels
     attention_backend: str = _opt("auto", "Attention kernels; auto = flashinfer on CUDA when it is installed (the "
                                   "'gpu' extra), the dtype is 16-bit and the head dim is 64, 128 or 256; "
-                                  "torch_native otherwise.",
-                                  ("auto", "torch_native", "flashinfer"))
+                                  "torch_native otherwise; invariant = the batch-invariant CPU kernels that "
+                                  "--enable-deterministic-inference selects.",
+                                  ("auto", "torch_native", "flashinfer", "invariant"))
+    enable_deterministic_inference: bool = _opt(
+        False, "Make a request's output tokens and logprobs bit-identical whatever else runs with it (batch size and "
+        "composition, chunked-prefill boundaries, cache hits, overlap, retraction, n>1), seeded sampling included. "
+        "Uses batch-invariant fp32 CPU kernels compiled on first use (needs a C++ compiler) and row-by-row "
+        "sampling; slower than the default kernels (see docs/benchmarks.md). CPU and float32 only.")
     cuda_graph_max_bs: int | None = _opt(
         None, "Largest decode batch replayed from a CUDA graph captured at start-up; a batch is padded up to the "
         "next captured size (1, 2, 4, 8, then every 8), larger ones run eagerly "
@@ -115,6 +121,8 @@ class ServerArgs:
             args.chunked_prefill_size = 8192 if args.device == "cuda" else 1024
         if args.mem_fraction_static is None:
             args.mem_fraction_static = 0.85 if args.device == "cuda" else 0.2
+        if args.enable_deterministic_inference and args.attention_backend == "auto":
+            args.attention_backend = "invariant"
         args.validate()
         return args
 
@@ -135,6 +143,16 @@ class ServerArgs:
              "chunked_prefill_size", "must be -1 or at least one page")
         need(1 <= self.port <= 65535, "port", "must be in 1..65535")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
+        if self.enable_deterministic_inference:
+            name = "enable_deterministic_inference"
+            need(self.device in ("auto", "cpu"), name,
+                 "the batch-invariant kernels run on the CPU only (--device cpu)")
+            need(self.dtype in ("auto", "float32"), name,
+                 "needs --dtype float32 (the batch-invariant kernels are fp32)")
+            need(self.attention_backend in ("auto", "invariant"), name,
+                 f"uses the invariant attention backend, not {self.attention_backend!r}")
+        elif self.attention_backend == "invariant":
+            need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
 
     @property
     def torch_dtype(self) -> Any:

@@ -2,6 +2,7 @@
 
 * ``torch_native`` (``torch_native.py``): plain torch, any device; the CPU path and the correctness oracle.
 * ``flashinfer`` (``flashinfer.py``): FlashInfer's paged kernels, CUDA only, from the optional ``gpu`` extra.
+* ``invariant`` (``invariant.py``): batch-invariant CPU kernels, chosen by ``--enable-deterministic-inference``.
 * ``auto``: flashinfer on a CUDA device when the package imports, the dtype is 16-bit (its kernels have
   no fp32 variant) and the head dim is one its kernels are built for; torch_native otherwise.
 """
@@ -17,7 +18,7 @@ from runtime.attention.base import AttentionBackend, AttentionShape
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch_native", "flashinfer")
+BACKEND_NAMES = ("auto", "torch_native", "flashinfer", "invariant")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
@@ -71,6 +72,10 @@ def make_attention_backend(name: str, shape: AttentionShape, device: torch.devic
         from runtime.attention.flashinfer import FlashInferBackend
 
         return FlashInferBackend(shape, device)
+    if name == "invariant":
+        from runtime.attention.invariant import InvariantAttentionBackend
+
+        return InvariantAttentionBackend(shape, device)
     raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(BACKEND_NAMES)}")
 
 

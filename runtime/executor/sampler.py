@@ -11,6 +11,10 @@ distribution (a cumulative sum and one binary search), which costs far less on C
 vocabulary of exponential noise.
 
 Logprobs are those of the model (log-softmax of the raw logits), as OpenAI and SGLang report them.
+
+:class:`RowwiseSampler` (``--enable-deterministic-inference``) runs the same code one row at a time: a
+softmax, cumulative sum or log-softmax over ``[1, vocab]`` then has one shape whatever the batch, so its
+float result (which may depend on how ATen splits a ``[B, vocab]`` reduction) is the row's own.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         n = len(rows)
         want_lp = [i for i, r in enumerate(rows) if r.return_logprob]
-        raw_logp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        raw_logp = self.log_softmax(logits[want_lp]) if want_lp else None
 
         logits = logits.clone()
         for i, r in enumerate(rows):
@@ -90,6 +94,10 @@ class Sampler:
                     tv, ti = torch.topk(raw_logp[j], min(k, self.vocab_size))
                     tops[i] = list(zip(tv.tolist(), ti.tolist()))
         return SampleResult(tokens, logprobs, tops)
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities ``[N, vocab]`` of fp32 logits rows (the model's logprobs)."""
+        return torch.log_softmax(logits, dim=-1)
 
     # ------------------------------------------------------------------ per-row logit processing
     def _adjust_row(self, row: torch.Tensor, r: SamplingRow) -> None:
@@ -133,6 +141,29 @@ class Sampler:
             if probs[i, t] <= 0:
                 out[i] = int(torch.argmax(probs[i]))
         return out
+
+
+class RowwiseSampler(Sampler):
+    """The same sampling, one row per call, so that no row's numbers depend on the other rows."""
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+        out = SampleResult([], [], [])
+        for i, row in enumerate(rows):
+            one = super().sample(logits[i : i + 1], [row])
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+            out.top_logprobs += one.top_logprobs
+        return out
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] <= 1:
+            return torch.log_softmax(logits, dim=-1)
+        return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
+
+
+def make_sampler(vocab_size: int, deterministic: bool, grammar_masker: GrammarMasker | None = None) -> Sampler:
+    cls = RowwiseSampler if deterministic else Sampler
+    return cls(vocab_size, grammar_masker)
 
 
 def draw_seed(seed: int, position: int) -> int:

@@ -25,7 +25,8 @@ from torch import nn
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.models.errors import ModelLoadError
-from runtime.models.layers import RotaryCache, apply_rotary, rms_norm, rope_parameters
+from runtime.models.layers import RotaryCache, rope_parameters
+from runtime.models.ops import ModelOps, TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -145,43 +146,37 @@ class LlamaDecoderLayer(nn.Module):
                 for name, t, row, rows in named if t is not None}
 
     def run(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-            backend: AttentionBackend) -> None:
+            backend: AttentionBackend, ops: ModelOps) -> None:
         """Apply the block to ``residual`` ``[T, hidden]`` in place."""
         t = residual.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_end = self.q_size + self.kv_size
 
-        x = rms_norm(residual, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        x = ops.rms_norm(residual, self.input_norm, self.eps)
+        qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)
         if self.q_norm is not None and self.k_norm is not None:
             # Qwen3: RMSNorm over each head's vector, before RoPE.
-            q = apply_rotary(rms_norm(qkv[:, : self.q_size].view(t, h, d), self.q_norm, self.eps), cos, sin)
-            k = apply_rotary(rms_norm(qkv[:, self.q_size : k_end].view(t, hkv, d), self.k_norm, self.eps),
-                             cos, sin)
+            q = ops.rotary(ops.rms_norm(qkv[:, : self.q_size].view(t, h, d), self.q_norm, self.eps), cos, sin)
+            k = ops.rotary(ops.rms_norm(qkv[:, self.q_size : k_end].view(t, hkv, d), self.k_norm, self.eps),
+                           cos, sin)
         else:
             # q and k heads side by side: one rotation for both.
-            qk = apply_rotary(qkv[:, :k_end].view(t, h + hkv, d), cos, sin)
+            qk = ops.rotary(qkv[:, :k_end].view(t, h + hkv, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, k_end:].view(t, hkv, d)
         attn = backend.forward(q, k, v, self.layer_id, batch)
-        residual.addmm_(attn.reshape(t, self.q_size), self.o_weight.t())
-        if self.o_bias is not None:
-            residual.add_(self.o_bias)
+        ops.add_linear_(residual, attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
-        x = rms_norm(residual, self.post_norm, self.eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        gate = F.silu(gate_up[:, : self.inter], inplace=True)  # in place on a view of gate_up
-        gate.mul_(gate_up[:, self.inter :])
-        residual.addmm_(gate, self.down_weight.t())
-        if self.down_bias is not None:
-            residual.add_(self.down_bias)
+        x = ops.rms_norm(residual, self.post_norm, self.eps)
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)
+        ops.add_linear_(residual, ops.silu_mul(gate_up), self.down_weight, self.down_bias)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over the paged KV pool; subclasses only change :meth:`arch_from_config`."""
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", ops: ModelOps | None = None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"unsupported model dtype {dtype}")
@@ -199,6 +194,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = device
         self.attn_backend = attn_backend
+        self.ops: ModelOps = ops or TorchOps()
         self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), dtype, device)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers))
         self.norm = _param((arch.hidden_size,), dtype, device)
@@ -226,8 +222,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(batch.positions, max(batch.seq_lens_cpu, default=0))
         residual = F.embedding(batch.input_ids, self.embed_tokens)
         for layer in self._layer_list:
-            layer.run(residual, cos, sin, batch, self.attn_backend)
-        return rms_norm(residual, self.norm, self.arch.rms_norm_eps)
+            layer.run(residual, cos, sin, batch, self.attn_backend, self.ops)
+        return self.ops.rms_norm(residual, self.norm, self.arch.rms_norm_eps)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -237,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         (penalties, masks) outside inference mode.
         """
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight, None).float()
 
     # ------------------------------------------------------------------ weights
     def weight_targets(self) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
 from runtime.models.gguf_convert import convert_gguf, default_gguf_path
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.ops import ModelOps
 from runtime.models.random_model import is_random_model
 from runtime.models.registry import get_model_class
 
@@ -114,10 +115,11 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
-               attn_backend: AttentionBackend | None = None) -> tuple[LlamaForCausalLM, Any]:
+               attn_backend: AttentionBackend | None = None,
+               ops: ModelOps | None = None) -> tuple[LlamaForCausalLM, Any]:
     """Build our model for the folder's architecture and load its weights; returns ``(model, hf_config)``.
 
-    ``attn_backend`` defaults to ``make_attention_backend("auto", ...)`` for ``device``.
+    ``attn_backend`` defaults to ``make_attention_backend("auto", ...)`` for ``device``; ``ops`` to plain torch.
     """
     folder = Path(path)
     config = load_config(folder)
@@ -127,7 +129,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     files = safetensors_files(folder)
     for file in files:
         check_safetensors(file)
-    model = cls(config, attn_backend, dtype=dtype, device=device)
+    model = cls(config, attn_backend, dtype=dtype, device=device, ops=ops)
     model.load_weights(_iter_tensors(files))
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cls.__name__, config.model_type,

@@ -26,6 +26,7 @@ import torch
 from runtime.attention.base import AttentionBackend
 from runtime.models.errors import ModelLoadError
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.ops import ModelOps
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +88,12 @@ def weight_bytes(config: Any, dtype: torch.dtype) -> int:
 
 @torch.no_grad()
 def build_random_model(config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
-                       device: torch.device | str, seed: int = 0) -> LlamaForCausalLM:
+                       device: torch.device | str, seed: int = 0,
+                       ops: ModelOps | None = None) -> LlamaForCausalLM:
     """A Llama model for ``config`` with seeded random weights, allocated and drawn on ``device``."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM(config, attn_backend, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, attn_backend, dtype=dtype, device=device, ops=ops)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, param in model.named_parameters():

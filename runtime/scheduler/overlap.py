@@ -160,7 +160,11 @@ class ForwardWorker:
         self._queue.put(job)
 
     def close(self) -> None:
+        """Stop the thread and wait for it: a thread still inside torch when the interpreter tears down
+        aborts the process ("terminate called without an active exception")."""
         self._queue.put(None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
 
     def _loop(self) -> None:
         while True:

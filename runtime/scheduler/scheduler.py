@@ -23,7 +23,7 @@ from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
 from runtime.executor.model_runner import ModelRunner
-from runtime.executor.sampler import Sampler, SampleResult
+from runtime.executor.sampler import SampleResult, make_sampler
 from runtime.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import StepBatch, build_step
@@ -48,7 +48,7 @@ class Scheduler:
         else:
             self.cache = RadixCache(runner.allocator, runner.req_to_token, args.eviction_policy, cache_event_sink)
         self.policy = make_schedule_policy(args.schedule_policy)
-        self.sampler = Sampler(runner.vocab_size)
+        self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference)
         self.stop = StopChecker(tokenizer, runner.context_length)
         self.tokenizer = tokenizer
         self._grammar: GrammarBackend | None = None
@@ -291,7 +291,7 @@ class Scheduler:
                 req.first_input_logprob_added = True
         for pr in sb.prompt_rows:
             req = sb.plans[pr.plan].req
-            logp = torch.log_softmax(logits[pr.rows[0] : pr.rows[-1] + 1], dim=-1)
+            logp = self.sampler.log_softmax(logits[pr.rows[0] : pr.rows[-1] + 1])
             targets = torch.tensor([req.tokens[p + 1] for p in pr.positions])
             vals = logp.gather(1, targets[:, None]).squeeze(1).tolist()
             for j, p in enumerate(pr.positions):

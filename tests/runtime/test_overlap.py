@@ -1,6 +1,11 @@
 """Overlap scheduling on CPU (a worker thread runs forward + sampling one step ahead): the same tokens,
 finish reasons and logprobs as lockstep for greedy and seeded sampling, with stop tokens and strings,
-max_new_tokens, chunked prefill, page sizes 1 and 16, retraction and aborts; KV accounting balances."""
+max_new_tokens, chunked prefill, page sizes 1 and 16, retraction and aborts; KV accounting balances.
+
+Overlap changes batch composition (a request that finished at step N still has a row in batch N+1), and
+the default kernels' float results depend on the batch, so bit equality with lockstep is a promise of
+``--enable-deterministic-inference`` only: these comparisons run in that mode, where any difference is a
+scheduling bug. The default kernels' overlap path is compared with the float-aware oracle."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from runtime.scheduler.scheduler import Scheduler
 from runtime.tokenizer_utils import eos_token_ids
 
 OVERLAP = {"enable_overlap_schedule": True}
+DET = {"enable_deterministic_inference": True}
 
 
 def prompts(seed: int = 0, n: int = 8) -> list[list[int]]:
@@ -52,8 +58,8 @@ def test_greedy_tokens_identical_to_lockstep(tiny_engine, name):
     opts = CONFIGS[name]
     params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
     ps = prompts(1)
-    ref = outputs(tiny_engine(**opts), ps, params)
-    eng = tiny_engine(**opts, **OVERLAP)
+    ref = outputs(tiny_engine(**DET, **opts), ps, params)
+    eng = tiny_engine(**DET, **opts, **OVERLAP)
     assert eng.scheduler.overlap is not None
     assert outputs(eng, ps, params) == ref
     assert outputs(eng, ps, params) == ref  # again, over a warm cache
@@ -66,8 +72,8 @@ def test_seeded_sampling_and_logprobs_identical(tiny_engine):
     ps = prompts(2)
     params = [{"max_new_tokens": 12 + i, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 100 + i}
               for i in range(len(ps))]
-    a = tiny_engine().generate(input_ids=ps, sampling_params=params, return_logprob=True, top_logprobs_num=2)
-    b = tiny_engine(**OVERLAP).generate(input_ids=ps, sampling_params=params, return_logprob=True,
+    a = tiny_engine(**DET).generate(input_ids=ps, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    b = tiny_engine(**DET, **OVERLAP).generate(input_ids=ps, sampling_params=params, return_logprob=True,
                                          top_logprobs_num=2)
     for x, y in zip(a, b):
         assert x["output_ids"] == y["output_ids"]
@@ -75,7 +81,7 @@ def test_seeded_sampling_and_logprobs_identical(tiny_engine):
         lx = [t[:2] for t in x["meta_info"]["output_token_logprobs"]]
         ly = [t[:2] for t in y["meta_info"]["output_token_logprobs"]]
         assert [t[1] for t in lx] == [t[1] for t in ly]
-        assert [t[0] for t in lx] == pytest.approx([t[0] for t in ly], abs=1e-5)
+        assert [t[0] for t in lx] == [t[0] for t in ly]  # bit for bit in deterministic mode
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -84,7 +90,7 @@ def test_stops_and_length_limits_identical_and_discarded_rows_freed(tiny_engine,
     so their rows in the batch already built are discarded; max_new_tokens from 1 up."""
     ps = prompts(3)
     opts = {"page_size": page_size, "chunked_prefill_size": 32}
-    lock = tiny_engine(**opts)
+    lock = tiny_engine(**DET, **opts)
     free_run = outputs(lock, ps, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
     tok = lock.tokenizer
     params: list[dict] = []
@@ -101,7 +107,7 @@ def test_stops_and_length_limits_identical_and_discarded_rows_freed(tiny_engine,
             p["min_new_tokens"] = min(1, p["max_new_tokens"])
         params.append(p)
     ref = outputs(lock, ps, params)
-    eng = tiny_engine(**opts, **OVERLAP)
+    eng = tiny_engine(**DET, **opts, **OVERLAP)
     got = outputs(eng, ps, params)
     assert got == ref
     assert any(f["type"] == "stop" for _ids, f in ref)
@@ -114,8 +120,8 @@ def test_grammar_and_penalties_run_in_lockstep_with_identical_tokens(tiny_engine
     ps = prompts(4, n=4)
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.3,
               "frequency_penalty": 0.5}
-    ref = outputs(tiny_engine(), ps, params)
-    eng = tiny_engine(**OVERLAP)
+    ref = outputs(tiny_engine(**DET), ps, params)
+    eng = tiny_engine(**DET, **OVERLAP)
     assert outputs(eng, ps, params) == ref
     assert eng.scheduler.overlap.lockstep_steps > 0
 
@@ -124,8 +130,8 @@ def test_prompt_logprobs_identical(tiny_engine):
     ps = prompts(5, n=3)
     kw = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True,
           "logprob_start_len": 0}
-    a = tiny_engine().generate(input_ids=ps, **kw)
-    b = tiny_engine(**OVERLAP, chunked_prefill_size=16).generate(input_ids=ps, **kw)
+    a = tiny_engine(**DET).generate(input_ids=ps, **kw)
+    b = tiny_engine(**DET, **OVERLAP, chunked_prefill_size=16).generate(input_ids=ps, **kw)
     for x, y in zip(a, b):
         assert x["output_ids"] == y["output_ids"]
         ix = [t[1] for t in x["meta_info"]["input_token_logprobs"]]
@@ -135,6 +141,7 @@ def test_prompt_logprobs_identical(tiny_engine):
 
 # ---------------------------------------------------------------------- driving the scheduler by hand
 def make_scheduler(model_dir: Any, **opts: Any) -> Scheduler:
+    opts = {**DET, **opts}
     args = ServerArgs(model=str(model_dir), max_total_tokens=opts.pop("max_total_tokens", 4096),
                       log_level="warning", **opts).resolve()
     runner = ModelRunner(args)
@@ -216,13 +223,15 @@ def inflight_integrity(sched: Scheduler) -> None:
     sched.cache.check_integrity(list(states.values()))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# 18, 23 and 35 are mixes whose tokens differed between overlap and lockstep with the default kernels on an
+# AVX-512 host (a near-tie flipped by batch-dependent float sums); in deterministic mode they must agree.
+@pytest.mark.parametrize("seed", [0, 1, 2, 18, 23, 35])
 def test_random_mix_equals_lockstep_and_books_balance_after_every_step(tiny_model_dir, seed):
     """Greedy and seeded requests sharing prefixes, stop tokens hit at random steps (taken from a free run),
     length limits, chunking, a pool small enough to retract; KV books checked after every step without
     draining (the in-flight batch's requests hold KV too)."""
     rng = random.Random(seed)
-    page_size = [1, 4, 16][seed]
+    page_size = [1, 4, 16][seed % 3]
     base = [rng.randrange(3, 49000) for _ in range(48)]
     reqs = []
     for i in range(14):

@@ -1,0 +1,86 @@
+"""Compile and load a C++ kernel module shipped with the package, once per machine.
+
+The build goes to ``~/.cache/radixserve/kernels/<name>-<hash of source, torch version and CPU flags>``,
+so a changed source, another torch or another host CPU gets its own build, and a second process finds
+the finished one (``cpp_extension`` serialises concurrent builds of one directory with a file lock).
+Needs a C++ compiler (``c++``/``g++``) and ninja; without them a :class:`KernelBuildError` says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+# -ffp-contract=off: a*b+c stays two roundings (no FMA contraction chosen per call site by the compiler);
+# no -ffast-math: float sums are never reordered. -march=native only picks instructions, not arithmetic.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
+
+
+class KernelBuildError(RuntimeError):
+    """A native kernel module could not be compiled or loaded here."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the ninja wheel's binary may sit beside this Python only."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # the PyPI wheel
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def load_kernels(name: str) -> ModuleType:
+    """Build (if needed) and import ``runtime/kernels/<name>.cpp`` as a Python module."""
+    from torch.utils import cpp_extension
+
+    source = HERE / f"{name}.cpp"
+    text = source.read_bytes()
+    key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags().encode()
+                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    build_dir = cache_root() / f"{name}-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelBuildError(f"building the {name} kernels needs a C++ compiler (c++/g++ on PATH; on "
+                               "Debian/Ubuntu: apt-get install g++)")
+    _ninja_on_path()
+    fresh = not any(build_dir.glob("*.so"))
+    t0 = time.perf_counter()
+    if fresh:
+        logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, build_dir)
+    try:
+        module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(source)],
+                                    extra_cflags=CFLAGS, build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # compiler errors, a missing ninja, a failed import of the built library
+        raise KernelBuildError(f"could not build the {name} kernels: {exc}") from exc
+    if fresh:
+        logger.info("compiled the %s kernels in %.1fs", name, time.perf_counter() - t0)
+    return module
