@@ -110,6 +110,11 @@ class PrefixCache(ABC):
         self.page_size = allocator.page_size
         self._hit = self._miss = 0
 
+    @property
+    def eviction_policy(self) -> str | None:
+        """Name of the eviction order in force (None: this cache keeps nothing, so it evicts nothing)."""
+        return None
+
     def record_lookup(self, hit_tokens: int, total_tokens: int) -> None:
         """Count one lookup in the hit statistics (the scheduler does this once per admitted request)."""
         self._hit += hit_tokens

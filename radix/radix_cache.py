@@ -80,6 +80,10 @@ class RadixCache(PrefixCache):
         self.reset_stats()
         self._clear_tree()
 
+    @property
+    def eviction_policy(self) -> str:
+        return self._index.policy.name
+
     # ------------------------------------------------------------------ state
     def _clear_tree(self) -> None:
         self._roots: dict[Hashable | None, TreeNode] = {}

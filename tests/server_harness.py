@@ -8,12 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import httpx
 
 from runtime.bench.servers import ManagedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "ServerProcess", "free_port", "pid_alive", "tmp_log"]
+__all__ = ["ROOT", "ServerProcess", "assert_kv_clean", "free_port", "pid_alive", "tmp_log"]
 
 
 def tmp_log(name: str) -> Path:
@@ -38,6 +41,20 @@ class ServerProcess(ManagedServer):
         assert self.proc is not None
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
+
+
+def assert_kv_clean(url: str, timeout: float = 30.0) -> None:
+    """Once the server at ``url`` is idle, its KV accounting (checked by /get_server_info) holds no request's
+    private pages and no locked prefix: every request handed back what it took."""
+    deadline = time.time() + timeout
+    while True:
+        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.time() < deadline, f"{url} is not idle: {info}"
+        time.sleep(0.05)
+    kv = info["kv"]
+    assert kv["private"] == 0 and kv["protected"] == 0, kv
 
 
 def pid_alive(pid: int) -> bool:

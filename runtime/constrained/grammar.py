@@ -83,6 +83,8 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
+        self.compiles = 0  # compilations started (cache misses)
+        self.cache_hits = 0  # requests for a grammar already compiled or compiling
 
     def compile_async(self, kind: str, text: str) -> Future[Any]:
         key = (kind, text)
@@ -90,7 +92,9 @@ class GrammarBackend:
             fut = self._cache.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
+                self.cache_hits += 1
                 return fut
+            self.compiles += 1
             fut = self._pool.submit(self._compile, kind, text)
             self._cache[key] = fut
             while len(self._cache) > CACHE_SIZE:

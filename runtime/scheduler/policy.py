@@ -19,6 +19,9 @@ LPM_MAX_QUEUE = 128
 class SchedulePolicy(ABC):
     name: str
 
+    def __init__(self) -> None:
+        self.reorders = 0  # orderings that differed from arrival order (LPM at work)
+
     @abstractmethod
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
         """The waiting requests in the order admission should try them."""
@@ -41,7 +44,10 @@ class LPMPolicy(SchedulePolicy):
             id(r): cache.match_prefix(r.tokens[: r.max_prefix_len()], r.namespace, record=False).length
             for r in waiting
         }
-        return sorted(waiting, key=lambda r: (r.retractions == 0, -hits[id(r)]))
+        ordered = sorted(waiting, key=lambda r: (r.retractions == 0, -hits[id(r)]))
+        if any(a is not b for a, b in zip(ordered, waiting)):
+            self.reorders += 1
+        return ordered
 
 
 def make_schedule_policy(name: str) -> SchedulePolicy:

@@ -249,6 +249,7 @@ class Scheduler:
             if req.kv_len < req.fill_len:  # a chunk of a longer prompt
                 self.cache.cache_unfinished_req(req.kv, req.tokens[: req.kv_len])
                 self.chunked = req
+                self.stats.prefill_chunks += 1
                 continue
             if req is self.chunked:
                 self.chunked = None
@@ -331,8 +332,11 @@ class Scheduler:
                 "evictable_size": cs.evictable_size,
                 "protected_size": cs.protected_size,
                 "evicted_tokens": cs.evicted_tokens,
+                "eviction_policy": self.cache.eviction_policy,
+                "page_size": self.cache.page_size,
             },
-            "scheduler": self.stats.as_dict(),
+            "scheduler": {**self.stats.as_dict(), "schedule_policy": self.policy.name,
+                          "queue_reorders": self.policy.reorders},
             "new_token_ratio": round(self.ratio.value, 4),
         }
 

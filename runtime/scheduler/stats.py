@@ -15,6 +15,8 @@ class SchedulerStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     forward_seconds: float = 0.0
+    prefill_chunks: int = 0  # prompt chunks that left the rest of their prompt for a later step
+    max_step_prefill_tokens: int = 0  # most prompt tokens computed by one step
     # (time, decode tokens) of recent steps, for a moving throughput figure
     _recent: deque = field(default_factory=lambda: deque(maxlen=64))
     # (batch size, seconds) of recent decode-only steps: the per-step cost benchmarks report
@@ -25,6 +27,7 @@ class SchedulerStats:
         self.decode_tokens += decodes
         self.prefill_tokens += prefill_tokens
         self.forward_seconds += seconds
+        self.max_step_prefill_tokens = max(self.max_step_prefill_tokens, prefill_tokens)
         self._recent.append((time.perf_counter(), decodes))
         if prefill_tokens == 0 and decodes:
             self.decode_steps.append((decodes, seconds))
@@ -43,5 +46,7 @@ class SchedulerStats:
             "prefill_tokens": self.prefill_tokens,
             "decode_tokens": self.decode_tokens,
             "forward_seconds": round(self.forward_seconds, 3),
+            "prefill_chunks": self.prefill_chunks,
+            "max_step_prefill_tokens": self.max_step_prefill_tokens,
             "decode_tokens_per_s": round(self.decode_throughput(), 2),
         }

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 import frontend as sgl
+from tests.oracle import WITH_TOP2, dsl_agrees
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,29 @@ def qa(s, question):
     s += sgl.user(question)
     s += sgl.assistant(sgl.gen("answer", max_tokens=8, ignore_eos=True))
     s += sgl.user("Sure?")
-    s += sgl.assistant(sgl.select("sure", ["yes", "no", "not really"]))
+    s += sgl.assistant(sgl.select("sure", SURE))
 
 
-def test_completion_mode_matches_the_native_api(completion_backend, endpoint) -> None:
+SURE = ["yes", "no", "not really"]
+
+
+def test_completion_mode_matches_the_native_api(completion_backend, endpoint, tiny_model_dir) -> None:
+    """The same answer and choice as the native API, or a divergence at a float near-tie (tests/oracle.py)."""
+    from runtime.models.loader import load_tokenizer
+
     assert completion_backend.get_chat_template() == endpoint.get_chat_template()  # fetched from the server
     a = qa.run("Why is the sky blue?", backend=completion_backend, temperature=0)
-    b = qa.run("Why is the sky blue?", backend=endpoint, temperature=0)
+    b = qa.run("Why is the sky blue?", backend=endpoint, temperature=0, **WITH_TOP2)
     assert a.error() is None, a.error()
-    assert a["answer"] == b["answer"]
-    assert a["sure"] in ("yes", "no", "not really")
-    assert a["sure"] == b["sure"]  # echoed prompt logprobs score the same tokens
+    assert b.error() is None, b.error()
+    tok = load_tokenizer(str(tiny_model_dir))
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids, skip_special_tokens=True))
+
+    assert a["sure"] in SURE
+    if dsl_agrees(b, a, "answer", decode):
+        dsl_agrees(b, a, "sure", decode, SURE)  # echoed prompt logprobs score the same tokens
     meta = a.get_meta_info("answer")
     assert meta["completion_tokens"] == 8 and meta["cached_tokens"] is not None
     assert completion_backend.token_usage.prompt_tokens > 0

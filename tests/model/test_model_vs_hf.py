@@ -15,6 +15,7 @@ import torch
 from model_helpers import TINY_CONFIGS, VOCAB, PoolDriver, hf_logits
 
 from runtime.models.loader import load_model
+from tests.oracle import Greedy, assert_greedy_agrees
 
 ARCHS = list(TINY_CONFIGS)
 ATOL = 1e-4
@@ -79,6 +80,7 @@ def test_greedy_matches_hf_generate(hf_checkpoints, arch: str) -> None:
     driver = PoolDriver(model, page_size=4)
     prompts = {"x": _ids(30, 5), "y": _ids(31, 12), "z": _ids(32, 8)}
     generated: dict[str, list[int]] = {rid: [] for rid in prompts}
+    rows: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
     work = list(prompts.items())
     for _ in range(16):  # the first iteration prefills, the rest decode
         outs = driver.run(work)
@@ -86,13 +88,12 @@ def test_greedy_matches_hf_generate(hf_checkpoints, arch: str) -> None:
         for rid, logits in zip(prompts, outs):
             token = int(logits[-1].argmax())
             generated[rid].append(token)
+            rows[rid].append(logits[-1])
             work.append((rid, [token]))
     for rid, ids in prompts.items():
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                              do_sample=False, max_new_tokens=16, min_new_tokens=16, eos_token_id=None,
-                              pad_token_id=0)
-        assert generated[rid] == ref[0, len(ids) :].tolist(), f"{arch} request {rid}"
+        ref = Greedy.from_hf_generate(hf, ids, 16, min_new_tokens=16, eos_token_id=None, pad_token_id=0)
+        ours = Greedy.from_logits(generated[rid], torch.stack(rows[rid]))
+        assert_greedy_agrees(ref, ours, f"{arch} request {rid}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radix import KVOutOfMemoryError, PagedAllocator, RadixCache, ReqKV, ReqToTokenPool
+from radix import KVOutOfMemoryError, NaiveCache, PagedAllocator, PrefixCache, RadixCache, ReqKV, ReqToTokenPool
 
 PAGES = 20
 NAMESPACES = [None, "ns-b"]
@@ -42,11 +41,16 @@ class Running:
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
 
+    def make_cache(self, alloc: PagedAllocator, pool: ReqToTokenPool) -> PrefixCache:
+        """The cache under test (test_reference_sanity swaps in broken ones)."""
+        return RadixCache(alloc, pool)
+
     @initialize()
     def setup(self):
         ps = self.page_size
         self.alloc = RecordingAllocator(PAGES * ps, page_size=ps)
-        self.cache = RadixCache(self.alloc, ReqToTokenPool(16, 256))
+        self.cache = self.make_cache(self.alloc, ReqToTokenPool(16, 256))
+        self.evictions_checked = 0  # evictions whose choice of node the reference verified
         self.content: dict[int, tuple] = {}  # slot -> (ns, prefix) whose KV it holds
         self.cached: dict[tuple, int] = {}  # (ns, page-aligned prefix) -> slot of its last token
         self.access: dict[tuple, int] = {}  # (ns, prefix) -> logical time of last use
@@ -114,6 +118,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert deepest in leaves, f"evicted {deepest} which is not an unlocked leaf"
             oldest = min(self.access[p] for p in leaves)
             assert self.access[deepest] == oldest, "eviction did not take the least recently used leaf"
+            self.evictions_checked += 1
             for p in cached:
                 del self.cached[p]
         self.alloc.log.clear()
@@ -272,6 +277,44 @@ TestPageSize4 = make_case(4)
 TestPageSize16 = make_case(16)
 
 
+class LFUCacheMachine(CacheMachine):
+    """The LRU reference over a cache that evicts the least *frequently* used leaf instead."""
+
+    def make_cache(self, alloc: PagedAllocator, pool: ReqToTokenPool) -> PrefixCache:
+        return RadixCache(alloc, pool, eviction_policy="lfu")
+
+
+class NaiveCacheMachine(CacheMachine):
+    """The reference over a cache that never keeps anything."""
+
+    def make_cache(self, alloc: PagedAllocator, pool: ReqToTokenPool) -> PrefixCache:
+        return NaiveCache(alloc, pool)
+
+
+def scripted_run(machine: CacheMachine) -> CacheMachine:
+    """A fixed sequence of rules: prompt A is used three times, then B once, then one leaf is evicted.
+    A is the least recently used leaf (LRU evicts it); B the least frequently used (LFU would evict it)."""
+    a, b = [0, 0, 0, 0], [1, 1, 1, 1]
+    machine.setup()
+    for tokens in (a, a, a, b):
+        machine.start_request(None, tokens)
+        machine.books_balance()
+        machine.finish(0)
+        machine.books_balance()
+        machine.locked_prefixes_stay_cached()
+    machine.evict(4)
+    machine.books_balance()
+    return machine
+
+
 def test_reference_sanity():
-    torch.manual_seed(0)
-    assert CacheMachine.page_size == 1
+    """The reference catches what it is there to catch: the real cache passes a scripted run in which an
+    eviction is checked; a cache evicting the wrong leaf, and one that forgets what it cached, fail it."""
+    good = scripted_run(CacheMachine())
+    assert good.evictions_checked == 1
+    assert (None, (0, 0, 0, 0)) not in good.cached and (None, (1, 1, 1, 1)) in good.cached
+    assert good.cache.match_prefix([1, 1, 1, 1], record=False).length == 4
+    with pytest.raises(AssertionError, match="least recently used"):
+        scripted_run(LFUCacheMachine())
+    with pytest.raises(AssertionError):
+        scripted_run(NaiveCacheMachine())

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.router.conftest import RouterProcess, start_workers
-from tests.server_harness import ServerProcess, free_port
+from tests.server_harness import ServerProcess, assert_kv_clean, free_port
 
 WORDS = ["river", "stone", "garden", "lantern", "copper", "violet", "harbor", "meadow", "signal", "orbit",
          "velvet", "canyon", "ember", "willow", "puzzle", "marble", "thunder", "compass", "saffron", "glacier"]
@@ -373,25 +373,59 @@ class _FakeWorker:
 
 
 # ---------------------------------------------------------------------- failures (last: restarts a worker)
+def _wait_for(what: str, predicate: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
 def test_killed_worker_costs_no_request_and_comes_back(workers: list[ServerProcess], urls: list[str],
                                                         tiny_model_dir: Path) -> None:
+    """The worker dies while requests are provably on it: none of them is lost, and it comes back.
+
+    No timing decides when the kill lands. Every request asks for 1,000 tokens with ``ignore_eos``, so it
+    cannot finish within the few steps it takes to see it running; the victim is frozen (SIGSTOP, the
+    worker and its scheduler at once) once its own /get_server_info shows a running request, and only
+    then is it killed, with the router still holding requests on it that the frozen worker cannot answer.
+    """
     router = RouterProcess(urls, ["--policy", "round_robin", "--health-check-interval", "0.5"]).start()
     victim = workers[2]
+    assert victim.proc is not None
     try:
-        body = {"sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}}
+        body = {"sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
 
         def send(i: int) -> tuple[int, str]:
             r = httpx.post(router.url + "/generate", json={"text": f"request {i} " + "go " * 30, **body},
-                           timeout=120)
+                           timeout=300)
             return r.status_code, r.headers.get("x-radixserve-worker", "")
+
+        def victim_running() -> int:
+            return int(httpx.get(victim.url + "/get_server_info", timeout=30).json()["num_running_reqs"])
+
+        def victim_load() -> int:
+            return int(router.workers()[victim.url]["load"])
 
         with ThreadPoolExecutor(9) as pool:
             futures = [pool.submit(send, i) for i in range(27)]
-            time.sleep(1.0)
-            assert victim.proc is not None
-            os.killpg(victim.proc.pid, signal.SIGKILL)  # the worker and its scheduler, at once
+            _wait_for("the victim runs a request", lambda: victim_running() > 0)
+            os.killpg(victim.proc.pid, signal.SIGSTOP)  # frozen: nothing on it can finish from here on
+            try:
+                # Answers the victim wrote before it froze are read by the router within milliseconds;
+                # once the router's count of requests on it holds still, the rest are stuck there.
+                loads = [victim_load()]
+                while len(loads) < 3 or len(set(loads[-3:])) > 1:
+                    time.sleep(0.2)
+                    loads.append(victim_load())
+                in_flight = loads[-1]
+                assert in_flight > 0, f"no request left on the frozen victim: {loads}"
+            finally:
+                os.killpg(victim.proc.pid, signal.SIGKILL)  # the worker and its scheduler, at once
             results = [f.result() for f in futures]
         assert all(code == 200 for code, _ in results), results
+        retried = _router_retries(router, victim.url)
+        assert retried >= in_flight, f"{in_flight} requests were on the victim, {retried} retried elsewhere"
+        print(f"requests on the victim when it was killed: {in_flight} (router load {loads}), retried: {retried}")
         state = router.workers()[victim.url]
         assert not state["healthy"] and state["last_error"], state
         assert {w for _, w in results[-6:]} <= {urls[0], urls[1]}
@@ -407,5 +441,14 @@ def test_killed_worker_costs_no_request_and_comes_back(workers: list[ServerProce
         assert r.status_code == 200 and not r.json()["added"] and r.json()["worker"]["healthy"], r.text
         served = Counter(send(100 + i)[1] for i in range(6))
         assert served[victim.url] == 2, served
+        for url in urls:  # the survivors (which took the retried requests) and the replacement
+            assert_kv_clean(url)
     finally:
         assert router.stop() == 0, router.log()
+
+
+def _router_retries(router: RouterProcess, worker_url: str) -> float:
+    """The router's count of requests retried elsewhere after failing on ``worker_url`` (its /metrics)."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    prefix = f'radixserve_router_retries_total{{worker="{worker_url}"}} '
+    return sum(float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))

@@ -12,8 +12,11 @@ from runtime.engine import Engine
 
 @pytest.fixture(scope="session")
 def smol_engine() -> Iterator[Engine]:
-    engine = Engine(model="default", max_total_tokens=32768, log_level="warning")
+    # float32: compared with transformers' fp32 model, within tests/oracle.py's float32 tolerances
+    engine = Engine(model="default", max_total_tokens=32768, dtype="float32", log_level="warning")
     yield engine
+    report = engine.check_integrity()
+    assert report["private"] == 0 and report["protected"] == 0, report
     engine.shutdown()
 
 
@@ -33,6 +36,9 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[Any]:
 
     def make(**options: Any) -> Engine:
         options.setdefault("max_total_tokens", 8192)
+        # float32 unless a test asks otherwise: --dtype auto is bfloat16 on some hosts and float32 on others,
+        # and these tests compare runs with each other and must mean the same on every host
+        options.setdefault("dtype", "float32")
         options.setdefault("log_level", "warning")
         engine = Engine(model=str(tiny_model_dir), **options)
         made.append(engine)

@@ -1,5 +1,6 @@
-"""The same greedy tokens whatever the cache, chunking, page size or memory pressure; and the scheduler's
-sharing, abort and accounting behaviour."""
+"""The same greedy tokens whatever the cache, chunking, page size or memory pressure (up to float near-ties,
+see tests/oracle.py); each configuration's flags visibly at work; and the scheduler's sharing, abort and
+accounting behaviour."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 import time
 
 import pytest
+
+from tests.oracle import WITH_TOP2, assert_all_agree
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -27,8 +30,12 @@ def shared_prefix_prompts(seed: int = 0) -> list[list[int]]:
 
 
 def run(engine, prompts, params=GREEDY):
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    return [o["output_ids"] for o in outs]
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+def run_top2(engine, prompts, params=GREEDY):
+    """Native results with logprobs and the top-2 at each step (what tests/oracle.py compares)."""
+    return engine.generate(input_ids=prompts, sampling_params=params, **WITH_TOP2)
 
 
 CONFIGS = {
@@ -37,34 +44,59 @@ CONFIGS = {
     "chunked-16": {"chunked_prefill_size": 16},
     "no-chunking": {"chunked_prefill_size": -1},
     "page-16": {"page_size": 16, "chunked_prefill_size": 32},
-    "page-4-lfu-fcfs": {"page_size": 4, "eviction_policy": "lfu", "schedule_policy": "fcfs"},
+    # a pool small enough that cached prefixes must be evicted (and a request retracted)
+    "page-4-lfu-fcfs": {"page_size": 4, "eviction_policy": "lfu", "schedule_policy": "fcfs", "max_total_tokens": 384},
     "tiny-pool-retraction": {"max_total_tokens": 320, "schedule_conservativeness": 0.01},
 }
 
 
+# The oracle's tolerances are calibrated for float32 (tests/oracle.py); pinned, whatever the device's default.
+FP32 = {"dtype": "float32"}
+
+
+def check_flags_at_work(name: str, info: dict) -> None:
+    """What each configuration changes really happened (equal tokens alone would pass with the flags ignored).
+    The policy names come from the live objects (the scheduler's policy, the cache's eviction index)."""
+    sched, cache = info["scheduler"], info["cache"]
+    policy = "fcfs" if name == "page-4-lfu-fcfs" else "lpm"
+    assert sched["schedule_policy"] == policy, (name, sched)
+    assert cache["eviction_policy"] == {"no-radix": None, "page-4-lfu-fcfs": "lfu"}.get(name, "lru"), (name, cache)
+    assert cache["page_size"] == {"page-16": 16, "page-4-lfu-fcfs": 4}.get(name, 1), (name, cache)
+    assert (cache["hit_tokens"] > 0) == (name != "no-radix"), (name, cache)
+    if name == "radix":  # this workload makes LPM reorder the queue, so FCFS's zero below means something
+        assert sched["queue_reorders"] > 0, sched
+    if name == "page-4-lfu-fcfs":
+        assert sched["queue_reorders"] == 0, sched
+        assert cache["evicted_tokens"] > 0, cache
+    if name == "chunked-16":  # prompts of 50 to 120 tokens went in chunks of at most 16
+        assert sched["prefill_chunks"] >= 6 and sched["max_step_prefill_tokens"] <= 16, sched
+    if name == "page-16":
+        assert sched["prefill_chunks"] > 0 and sched["max_step_prefill_tokens"] <= 32, sched
+    if name in ("radix", "no-chunking"):  # the default 1024 (and no limit) never split these prompts
+        assert sched["prefill_chunks"] == 0 and sched["max_step_prefill_tokens"] > 16, sched
+    if name == "tiny-pool-retraction":
+        assert sched["retractions"] > 0, "the small pool must force retraction"
+
+
 def test_greedy_tokens_identical_across_configurations(tiny_engine):
     prompts = shared_prefix_prompts()
-    reference = run(tiny_engine(), prompts)
+    reference = run_top2(tiny_engine(**FP32), prompts)
     # a second pass over a warm cache gives the same tokens too
-    warm = tiny_engine()
+    warm = tiny_engine(**FP32)
     run(warm, prompts)
-    assert run(warm, prompts) == reference
+    assert_all_agree(reference, run_top2(warm, prompts), "warm cache")
     for name, options in CONFIGS.items():
-        engine = tiny_engine(**options)
-        assert run(engine, prompts) == reference, name
-        info = engine.server_info()
-        if name == "tiny-pool-retraction":
-            assert info["scheduler"]["retractions"] > 0, "the small pool must force retraction"
-        if name == "no-radix":
-            assert info["cache"]["hit_tokens"] == 0
+        engine = tiny_engine(**FP32, **options)
+        assert_all_agree(reference, run_top2(engine, prompts), name)
+        check_flags_at_work(name, engine.server_info())
 
 
 def test_requests_one_by_one_equal_the_batch(tiny_engine):
     prompts = shared_prefix_prompts(1)
-    engine = tiny_engine()
-    batch = run(engine, prompts)
-    alone = tiny_engine(disable_radix_cache=True)
-    assert [run(alone, [p])[0] for p in prompts] == batch
+    engine = tiny_engine(**FP32)
+    batch = run_top2(engine, prompts)
+    alone = tiny_engine(disable_radix_cache=True, **FP32)
+    assert_all_agree(batch, [run_top2(alone, [p])[0] for p in prompts], "one by one")
 
 
 def test_second_request_reports_cached_prefix(tiny_engine):

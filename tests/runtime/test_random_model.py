@@ -15,6 +15,7 @@ from runtime.models.random_model import (
     random_model_config,
     weight_bytes,
 )
+from tests.oracle import WITH_TOP2, Greedy, assert_greedy_agrees
 
 
 def test_names_and_configs():
@@ -54,16 +55,16 @@ def test_weights_are_seeded_and_shaped_and_the_model_runs():
 def test_engine_serves_a_random_model(tiny_engine):
     from runtime.engine import Engine
 
-    engine = Engine(model="random:tiny", max_total_tokens=2048, log_level="warning")
+    engine = Engine(model="random:tiny", max_total_tokens=2048, dtype="float32", log_level="warning")
     try:
-        out = engine.generate(input_ids=list(range(5, 25)),
-                              sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+        out = engine.generate(input_ids=list(range(5, 25)), sampling_params=params, **WITH_TOP2)
         assert len(out["output_ids"]) == 5
         assert engine.runner.info().path == "random:tiny"
-        again = engine.generate(input_ids=list(range(5, 25)),
-                                sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
-        assert again["output_ids"] == out["output_ids"]
+        again = engine.generate(input_ids=list(range(5, 25)), sampling_params=params, **WITH_TOP2)
+        assert again["meta_info"]["cached_tokens"] > 0  # the second run reads the prompt's KV from the cache
+        assert_greedy_agrees(Greedy.from_native(out), Greedy.from_native(again), "over the cached prompt")
         report = engine.check_integrity()
-        assert report["private"] == 0
+        assert report["private"] == 0 and report["protected"] == 0
     finally:
         engine.shutdown()

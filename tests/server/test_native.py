@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -185,41 +187,124 @@ def test_sigterm_stops_every_process(tiny_model_dir):
     assert not any(pid_alive(k) for k in kids), "no orphan processes"
 
 
-def test_scheduler_death_gives_503_and_nonzero_exit(tiny_model_dir):
-    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
-    kids = server.children()
-    sched = [k for k in kids if "scheduler" in open(f"/proc/{k}/cmdline").read()
-             or "spawn" in open(f"/proc/{k}/cmdline").read()]
-    assert sched
-    # the scheduler is the child that owns the model: pick the one holding the most memory
-    target = max(kids, key=lambda k: int(open(f"/proc/{k}/statm").read().split()[1]))
-    os.kill(target, signal.SIGKILL)
+def child_bound_to(server: ServerProcess, name: str) -> int:
+    """PID of the server's child process that binds the ``name`` IPC socket ("scheduler", "detokenizer"):
+    each receiving side binds its own ``ipc://…/name`` path, so the socket names the process for sure."""
+    inodes = set()
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 8 and "radixserve-ipc-" in parts[7] and parts[7].endswith("/" + name):
+                inodes.add(f"socket:[{parts[6]}]")
+    found = set()
+    for pid in server.children():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        found.add(pid)
+    assert len(found) == 1, f"{name}: {found} among {server.children()}"
+    return found.pop()
+
+
+class HeldRequest:
+    """A /generate request the server has accepted and cannot answer: the detokenizer (every output passes
+    through it) is frozen before it is sent, and it is held until the scheduler has seen it, which happens
+    only after the HTTP side registered it as pending."""
+
+    def __init__(self, server: ServerProcess, detokenizer: int):
+        before = httpx.get(server.url + "/get_server_info", timeout=30).json()["scheduler"]["finished_requests"]
+        os.kill(detokenizer, signal.SIGSTOP)
+        self.detokenizer = detokenizer
+        self.response: httpx.Response | None = None
+        self.thread = threading.Thread(target=self._send, args=(server,))
+        self.thread.start()
+        deadline = time.time() + 30
+        while True:
+            info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+            if info["num_running_reqs"] + info["num_waiting_reqs"] > 0 \
+                    or info["scheduler"]["finished_requests"] > before:
+                break
+            assert time.time() < deadline, info
+            time.sleep(0.02)
+        assert self.thread.is_alive(), "the held request was answered although no output can reach the server"
+
+    def _send(self, server: ServerProcess) -> None:
+        self.response = post(server, "/generate", {"text": "hold me", "sampling_params": {"max_new_tokens": 4}})
+
+    def result(self) -> httpx.Response:
+        self.thread.join(30)
+        assert self.response is not None
+        return self.response
+
+    def release(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.detokenizer, signal.SIGCONT)
+
+
+def read_http_response(sock: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of the one response on ``sock``, read until the server closes it."""
+    data = b""
+    sock.settimeout(30)
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+def assert_exits_with_children(server: ServerProcess, kids: list[int], code: int = 1) -> None:
     assert server.proc is not None
     server.proc.wait(30)
-    assert server.proc.returncode != 0
+    assert server.proc.returncode == code, server.log()
     deadline = time.time() + 10
     while any(pid_alive(k) for k in kids) and time.time() < deadline:
         time.sleep(0.1)
-    assert not any(pid_alive(k) for k in kids)
+    assert not any(pid_alive(k) for k in kids), "no orphan processes"
+
+
+def test_scheduler_death_gives_503_and_nonzero_exit(tiny_model_dir):
+    """A request pending when the scheduler dies is answered 503; the server exits 1 with no child left."""
+    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
+    kids = server.children()
+    sched, detok = child_bound_to(server, "scheduler"), child_bound_to(server, "detokenizer")
+    assert sched != detok and {sched, detok} <= set(kids)
+    held = HeldRequest(server, detok)
+    try:
+        os.kill(sched, signal.SIGKILL)
+        r = held.result()
+    finally:
+        held.release()
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and "scheduler process exited" in err["message"], err
+    assert_exits_with_children(server, kids)
 
 
 def test_requests_get_503_once_a_child_died(tiny_model_dir):
+    """A request reaching the server after it noticed a dead child gets 503, not a hang or a dropped
+    connection, and the server then exits 1.
+
+    The request's headers go out before the kill and its body only after the server has declared itself
+    dead (a request pending at the time has been answered 503): uvicorn has started its handler, so the
+    graceful stop that follows the death waits for it, and the handler submits it to a dead server."""
     server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
     kids = server.children()
-    target = max(kids, key=lambda k: int(open(f"/proc/{k}/statm").read().split()[1]))
-    os.kill(target, signal.SIGKILL)
-    codes = set()
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            r = httpx.post(server.url + "/generate", json={"text": "hi"}, timeout=5)
-            codes.add(r.status_code)
-            if r.status_code == 503:
-                break
-        except httpx.HTTPError:
-            break  # the server already exited
-        time.sleep(0.05)
-    assert server.proc is not None
-    server.proc.wait(30)
-    assert server.proc.returncode != 0
-    assert 200 not in codes or 503 in codes
+    detok = child_bound_to(server, "detokenizer")
+    body = json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 2}}).encode()
+    late = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        late.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+        held = HeldRequest(server, detok)
+        os.kill(detok, signal.SIGKILL)
+        pending = held.result()
+        assert pending.status_code == 503, pending.text  # the server knows: it is dead from here on
+        assert "detokenizer process exited" in pending.json()["error"]["message"]
+        late.sendall(body[5:])
+        status, answer = read_http_response(late)
+    finally:
+        late.close()
+    assert status == 503, answer
+    err = json.loads(answer)["error"]
+    assert err["type"] == "service_unavailable" and "detokenizer process exited" in err["message"], err
+    assert_exits_with_children(server, kids)
