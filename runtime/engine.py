@@ -121,6 +121,7 @@ class Engine:
     def _send(self, call: _Call, stream: bool) -> None:
         s = call.single
         assert s.input_ids is not None
+        self._check_alive()
         with self._lock:
             if s.rid in self._calls:
                 raise ValueError(f"rid: request id {s.rid!r} is already in use")
@@ -159,10 +160,21 @@ class Engine:
         token_text = (lambda t: self.tokenizer.decode([t])) if text_in_logprobs else None
         return call.state.to_native(s.return_logprob, s.top_logprobs_num, token_text)
 
+    def _check_alive(self) -> None:
+        """Requests and control calls fail at once (instead of waiting forever) once the thread has died."""
+        if self._error is not None or not self._thread.is_alive():
+            raise RuntimeError("the Engine's scheduler thread has stopped") from self._error
+
     def _control(self, fn: Any) -> Any:
+        self._check_alive()
         box: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._inbox.put(("control", (fn, box)))
-        result = box.get()
+        while True:
+            try:
+                result = box.get(timeout=0.5)
+                break
+            except queue.Empty:
+                self._check_alive()  # it may die while this call waits
         if isinstance(result, BaseException):
             raise result
         return result
