@@ -33,8 +33,13 @@ class ServerArgs:
     tokenizer: str | None = _opt(None, "Tokenizer folder, if it differs from the model's.")
     served_model_name: str | None = _opt(None, "Model name reported by /v1/models and accepted in requests "
                                          "(default: the model folder's name; 'default' is always accepted).")
-    dtype: str = _opt("auto", "Weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA.",
+    dtype: str = _opt("auto", "Weights and activations dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                      "dot products (avx512_bf16 or AMX), float32 on other CPUs. float32 keeps outputs equal to "
+                      "transformers' fp32 reference.",
                       ("auto", "float32", "bfloat16", "float16"))
+    quantization: str = _opt("none", "Weight-only quantization of the linear layers on CPU: int8 = one int8 per weight "
+                             "with a float scale per output row (a quarter of fp32's bytes per decode step; "
+                             "activations stay float). none = weights in --dtype.", ("none", "int8"))
     device: str = _opt("auto", "Device to run the model on; auto = cuda if available, else cpu.",
                        ("auto", "cpu", "cuda"))
     context_length: int | None = _opt(None, "Override the model's maximum context length (tokens).")
@@ -108,7 +113,9 @@ class ServerArgs:
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.dtype == "auto":
-            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+            # Deterministic mode's invariant kernels are fp32.
+            fast16 = args.device == "cuda" or cpu_has_native_bf16()
+            args.dtype = "bfloat16" if fast16 and not args.enable_deterministic_inference else "float32"
         # attention_backend "auto" stays: the model runner resolves it once the model's head shape is known
         # (runtime.attention.auto_backend_name).
         if args.cuda_graph_max_bs is None:
@@ -151,7 +158,10 @@ class ServerArgs:
                  "needs --dtype float32 (the batch-invariant kernels are fp32)")
             need(self.attention_backend in ("auto", "invariant"), name,
                  f"uses the invariant attention backend, not {self.attention_backend!r}")
-        elif self.attention_backend == "invariant":
+            need(self.quantization == "none", name, "runs unquantized float32 weights (--quantization none)")
+        need(self.quantization == "none" or self.device in ("auto", "cpu"), "quantization",
+             "int8 weight-only quantization is implemented for the CPU")
+        if self.attention_backend == "invariant" and not self.enable_deterministic_inference:
             need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
 
     @property
@@ -194,6 +204,24 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     names = {f.name for f in fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products natively (avx512_bf16 or AMX) and torch's kernels may use
+    them (ATen's capability is AVX-512: with ``ATEN_CPU_CAPABILITY=avx2`` its bf16 attention refuses to run)."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def default_num_threads() -> int:

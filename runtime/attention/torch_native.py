@@ -1,6 +1,8 @@
 """Attention in plain torch: gather each request's KV from the pool, run ``scaled_dot_product_attention``.
 
-Works on any device, and is the correctness oracle for the fused GPU backends. Two shapes of work:
+Works on any device, and is the correctness oracle for the fused GPU backends. On the CPU, decode rows and
+short prefill chunks read the pool in place through ``paged_decode.py`` when its kernels build; the gather
+paths below are the fallback there and the path on other devices. Two shapes of work:
 
 * **Decode rows** (requests adding one token) are batched into ONE SDPA call per layer: their KV slots
   form a padded ``[B, L]`` index matrix; padding points at slot 0 (the reserved page, always readable) and
@@ -38,11 +40,15 @@ from runtime.attention.cascade import (
     find_shared_prefixes,
     merge_attention_,
 )
+from runtime.attention.paged_decode import paged_decode_kernel
 from runtime.executor.forward_batch import ForwardBatch, ForwardMode
 
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
 # entries (a long chunk over a long prefix) memory wins and the mask is bool.
 _FLOAT_MASK_LIMIT = 1 << 24
+# Prefill chunks of up to this many tokens read the pool in place (paged_decode.py) instead of gathering it:
+# the gather costs the whole prefix once per layer, which a short chunk cannot amortise.
+IN_PLACE_EXTEND_MAX = 64
 
 
 @dataclass
@@ -54,6 +60,7 @@ class DecodeGroup:
     max_len: int
     mask: torch.Tensor | None  # [B, 1, 1, L] additive (0 / -inf); None when all lengths are equal
     token_rows: torch.Tensor | None  # rows of these tokens in the batch; None = all rows, in order
+    lengths: torch.Tensor | None = None  # [B] KV positions of each request (for the in-place kernel)
 
 
 @dataclass
@@ -107,7 +114,8 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
     def __init__(self, shape: AttentionShape, device: torch.device | str = "cpu",
-                 cascade: CascadePolicy | None = CascadePolicy()):  # noqa: B008 (frozen, shared)
+                 cascade: CascadePolicy | None = CascadePolicy(),  # noqa: B008 (frozen, shared)
+                 in_place_decode: bool = True):
         super().__init__(shape)
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"{shape.num_heads} query heads is not a multiple of "
@@ -115,6 +123,8 @@ class TorchNativeBackend(AttentionBackend):
         self.device = torch.device(device)
         self.group = shape.num_heads // shape.num_kv_heads
         self.cascade = cascade
+        # Decode rows read the paged pool in place when the CPU kernels build (paged_decode.py).
+        self.paged = paged_decode_kernel(shape, self.device) if in_place_decode else None
         # Gather buffers reused by every layer and step. Fresh multi-MB tensors per layer cost page faults
         # (the allocator hands big blocks back to the OS): on the dev VM that doubled batch-32 decode time.
         self._workspace: dict[str, torch.Tensor] = {}
@@ -224,7 +234,8 @@ class TorchNativeBackend(AttentionBackend):
         rows = None
         if token_rows is not None and list(token_rows) != list(range(num_rows)):
             rows = torch.tensor(token_rows, dtype=torch.int64, device=device)
-        return DecodeGroup(index.reshape(-1), len(lens), max_len, mask, rows)
+        lengths = torch.tensor(lens, dtype=torch.int64) if device.type == "cpu" else None
+        return DecodeGroup(index.reshape(-1), len(lens), max_len, mask, rows, lengths)
 
     @staticmethod
     def _prefill_chunk(batch: ForwardBatch, i: int, start: int, prefix: int, ext: int,
@@ -301,6 +312,9 @@ class TorchNativeBackend(AttentionBackend):
                 dec: DecodeGroup) -> torch.Tensor:
         """q ``[B, H, D]`` -> ``[B, H, D]``, one SDPA call with the G query heads of a KV head as rows."""
         b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
+        if self.paged is not None and dec.lengths is not None:
+            out, _lse = self.paged.run(q, k_pool, v_pool, dec.kv_index.view(b, -1), dec.lengths)
+            return out.to(q.dtype)
         k, v = self._decode_kv(k_pool, v_pool, dec)
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), k, v, attn_mask=dec.mask,
                                            scale=self.shape.scale)
@@ -320,6 +334,10 @@ class TorchNativeBackend(AttentionBackend):
                  out: torch.Tensor) -> None:
         """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
         e, hkv, g, d = q.shape[0], self.shape.num_kv_heads, self.group, self.shape.head_dim
+        if self.paged is not None and e <= IN_PLACE_EXTEND_MAX:
+            o_rows, _lse = self.paged.extend(q, k_pool, v_pool, chunk.kv_index, chunk.kv_index.numel() - e)
+            out.copy_(o_rows)
+            return
         q4, k4, v4 = self._prefill_qkv(q, k_pool, v_pool, chunk)
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=self.shape.scale)
@@ -380,6 +398,9 @@ class TorchNativeBackend(AttentionBackend):
                     dec: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """Like ``_decode``, also returning the log-sum-exp ``[B, H]`` (fp32) for the cascade merge."""
         b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
+        if self.paged is not None and dec.lengths is not None:
+            out, lse = self.paged.run(q, k_pool, v_pool, dec.kv_index.view(b, -1), dec.lengths)
+            return out.to(q.dtype), lse
         k, v = self._decode_kv(k_pool, v_pool, dec)
         o, lse = attention_with_lse(q.reshape(b, hkv, self.group, d), k, v, dec.mask, False, self.shape.scale)
         return o.reshape(b, self.shape.num_heads, d), lse.reshape(b, self.shape.num_heads)

@@ -111,6 +111,16 @@ def add_bench_parser(sub: Any) -> None:
     prof.add_argument("--repeats", type=int, default=3, help="Times the scenario is repeated (medians).")
     prof.add_argument("--out", default=None, help="Save the profile as JSON.")
 
+    qual = bsub.add_parser("quality", formatter_class=fmt, help="Output quality of bf16 / int8 weights vs float32.",
+                           description="Greedy agreement with float32 over built-in workload prompts and perplexity of "
+                           "a shipped text, for each faster weight format (in-process Engines, one at a time).")
+    qual.add_argument("--model", default="default", help="Model to load (as radixserve serve --model).")
+    qual.add_argument("--formats", nargs="+", default=["bfloat16", "int8"], choices=("bfloat16", "int8"),
+                      help="Formats to compare with float32.")
+    qual.add_argument("--prompts", type=int, default=64, help="Prompts for the greedy agreement.")
+    qual.add_argument("--new-tokens", type=int, default=32, help="Greedy tokens generated per prompt.")
+    qual.add_argument("--out", default=None, help="Save the results as JSON.")
+
 
 def _run(args: argparse.Namespace) -> int:
     from runtime.bench.client import run_workload
@@ -190,6 +200,19 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quality(args: argparse.Namespace) -> int:
+    from runtime.bench.quality import measure, report
+
+    rows = report(measure(args.model, args.formats, args.prompts, args.new_tokens))
+    print(f"{'format':10} {'prompts':>7} {'identical':>9} {'agreeing':>9} {'perplexity':>10} {'change':>8}")
+    for r in rows:
+        print(f"{r['name']:10} {r['prompts']:7d} {r['identical']:9.3f} {r['agreeing_tokens']:9.3f} "
+              f"{r['perplexity']:10.3f} {100 * r['perplexity_change']:+7.2f}%")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -201,6 +224,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             return _report(args)
         if args.bench_command == "workload":
             return _workload(args)
+        if args.bench_command == "quality":
+            return _quality(args)
         return _profile(args)
     except (FileNotFoundError, ValueError, ConnectionError) as exc:
         print(f"radixserve bench {args.bench_command}: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ from runtime.config import ServerArgs, default_num_threads
 from runtime.executor.cuda_graph import CudaGraphRunner, capture_batch_sizes, graph_memory_reserve
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.models.loader import attention_shape, kv_layout, load_config, load_model, resolve_model_path
-from runtime.models.ops import make_ops
+from runtime.models.ops import cpu_weight_format, make_ops
 from runtime.models.random_model import build_random_model, is_random_model, random_model_config
 
 logger = logging.getLogger(__name__)
@@ -65,12 +65,13 @@ class ModelRunner:
         backend = make_attention_backend(args.attention_backend, attention_shape(self.hf_config), self.device,
                                          args.torch_dtype)
         self.attn_backend = backend
-        ops = make_ops(args.enable_deterministic_inference)
+        ops = make_ops(args.enable_deterministic_inference, cpu_weight_format(args, self.device))
         if self.random_weights:
             self.model = build_random_model(self.hf_config, backend, args.torch_dtype, self.device,
                                             args.random_seed, ops)
         else:
             self.model, _ = load_model(self.model_path, args.torch_dtype, self.device, backend, ops)
+        self.model.ops.prepare(self.model)
         ctx: Any = args.context_length or getattr(self.hf_config, "max_position_embeddings", 4096)
         self.context_length = int(ctx)
         self.vocab_size = int(self.hf_config.vocab_size)

@@ -8,6 +8,7 @@ Needs a C++ compiler (``c++``/``g++``) and ninja; without them a :class:`KernelB
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -22,9 +23,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-# -ffp-contract=off: a*b+c stays two roundings (no FMA contraction chosen per call site by the compiler);
-# no -ffast-math: float sums are never reordered. -march=native only picks instructions, not arithmetic.
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"]
+# -fopenmp: at::parallel_for is a header template over OpenMP pragmas; without it every kernel runs on one
+# thread. The library it links (libgomp.so.1) resolves to the copy torch already loaded: one thread pool.
+BASE_CFLAGS = ["-O3", "-march=native", "-fno-fast-math", "-std=c++17", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+# Per kernel set. invariant: -ffp-contract=off keeps a*b+c two roundings everywhere (the compiler may not
+# fuse some call sites and not others), and without fast-math float sums are never reordered; -march=native
+# only picks instructions, not arithmetic. fastcpu: multiply-adds may fuse (FMA), for speed.
+CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CFLAGS, "-ffp-contract=fast"]}
 
 
 class KernelBuildError(RuntimeError):
@@ -58,14 +64,16 @@ def _ninja_on_path() -> None:
         pass
 
 
+@functools.cache
 def load_kernels(name: str) -> ModuleType:
-    """Build (if needed) and import ``runtime/kernels/<name>.cpp`` as a Python module."""
+    """Build (if needed) and import ``runtime/kernels/<name>.cpp`` as a Python module (once per process)."""
     from torch.utils import cpp_extension
 
     source = HERE / f"{name}.cpp"
     text = source.read_bytes()
+    flags = CFLAGS[name]
     key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags().encode()
-                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
+                         + " ".join(flags + LDFLAGS).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"{name}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -78,7 +86,8 @@ def load_kernels(name: str) -> ModuleType:
         logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, build_dir)
     try:
         module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(source)],
-                                    extra_cflags=CFLAGS, build_directory=str(build_dir), verbose=False)
+                                    extra_cflags=flags, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
+                                    verbose=False)
     except Exception as exc:  # compiler errors, a missing ninja, a failed import of the built library
         raise KernelBuildError(f"could not build the {name} kernels: {exc}") from exc
     if fresh:

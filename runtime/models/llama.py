@@ -225,6 +225,15 @@ class LlamaForCausalLM(nn.Module):
             layer.run(residual, cos, sin, batch, self.attn_backend, self.ops)
         return self.ops.rms_norm(residual, self.norm, self.arch.rms_norm_eps)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """The weights of every linear layer of the decoder (not the output projection)."""
+        return [w for layer in self._layer_list
+                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight)]
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection: the embedding table when they are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[N, vocab]`` in fp32 for hidden rows ``[N, hidden]``.
@@ -232,8 +241,7 @@ class LlamaForCausalLM(nn.Module):
         Runs under ``no_grad`` rather than ``inference_mode`` so the sampler may edit the logits in place
         (penalties, masks) outside inference mode.
         """
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(hidden, weight, None).float()
+        return self.ops.linear(hidden, self.output_weight(), None).float()
 
     # ------------------------------------------------------------------ weights
     def weight_targets(self) -> dict[str, torch.Tensor]:

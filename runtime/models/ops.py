@@ -11,16 +11,23 @@ own shape, so each row's result is the same in any batch.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from runtime.models.layers import apply_rotary, rms_norm
+from runtime.models.packed import PackedWeight, pack_weight
+
+logger = logging.getLogger(__name__)
 
 
 class ModelOps(Protocol):
     name: str
+
+    def prepare(self, model: Any) -> None:
+        """Called once after the weights are loaded (e.g. to repack them)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -40,6 +47,9 @@ class TorchOps:
     """Plain torch: the residual add rides inside the GEMM (``addmm_``), SiLU·mul runs in place."""
 
     name = "torch"
+
+    def prepare(self, model: Any) -> None:
+        pass
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -72,6 +82,9 @@ class InvariantOps:
 
         self.k: Any = load_kernels("invariant")
 
+    def prepare(self, model: Any) -> None:
+        pass
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 3:  # per-head norms (Qwen3 q/k): every head vector is a row
             t, h, d = x.shape
@@ -95,5 +108,129 @@ class InvariantOps:
         return self.k.silu_mul(gate_up)
 
 
-def make_ops(deterministic: bool) -> ModelOps:
-    return InvariantOps() if deterministic else TorchOps()
+# Rows up to which the packed kernel beats the GEMM libraries, per format (all linear layers of SmolLM2-135M in
+# sequence, 2 threads, AVX-512 + AMX host; docs/benchmarks.md): fp32 vs MKL even at 16 rows; bf16 vs oneDNN,
+# whose AMX kernels win from 4 rows; int8 vs MKL over a dequantised copy. Above it the library runs, over
+# the unpacked weight (int8: over a dequantised copy made per call).
+SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
+
+
+class PackedCpuOps(TorchOps):
+    """Linear layers of decode-sized batches through ``linear_packed`` (``kernels/fastcpu.cpp``) over weights
+    repacked once at load time (``packed.py``) in ``weight_format``: float32, bfloat16 or int8.
+
+    The packed copies are keyed by the identity of the model's weight parameters, so the model code stays
+    the same for every format. With int8 the model's own copy of each packed weight is released after
+    packing (only the int8 panels stay in memory) and larger batches run over a dequantised copy.
+    """
+
+    name = "packed"
+
+    def __init__(self, weight_format: str) -> None:
+        from runtime.kernels.build import load_kernels
+
+        self.k: Any = load_kernels("fastcpu")
+        self.weight_format = weight_format
+        self.small_m = SMALL_M[weight_format]
+        self.packed: dict[int, PackedWeight] = {}
+
+    def prepare(self, model: Any) -> None:
+        """Pack the model's linear weights, and its output projection (kept unpacked too when it is the
+        embedding table, which lookups still read)."""
+        self.pack(model.linear_weights(), release=self.weight_format == "int8")
+        out = model.output_weight()
+        self.pack([out], release=self.weight_format == "int8" and out is not model.embed_tokens)
+
+    def pack(self, weights: list[torch.Tensor], release: bool) -> None:
+        """Pack each ``[N, K]`` weight; ``release`` frees the model's own copy (the panels stand for it)."""
+        for w in weights:
+            self.packed[id(w)] = pack_weight(w.detach(), self.weight_format)
+            if release:
+                w.data = w.data.new_empty(0)
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(p.nbytes for p in self.packed.values())
+
+    def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor | None) -> torch.Tensor | None:
+        """The packed product for small batches (None: not this kernel's case)."""
+        pw = self.packed.get(id(weight))
+        small = x.shape[0] <= self.small_m
+        if pw is None or (not small and self.weight_format != "int8"):
+            return None
+        xf = x.float()
+        b = bias.float() if bias is not None else None
+        if not small:  # int8, large batch: a GEMM over the dequantised weight
+            y = F.linear(xf, dequantize(pw), b)
+            return y if out is None else out.add_(y)
+        return self.k.linear_packed(xf, pw.data, pw.out_features, pw.scale, b, out)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self._run(x, weight, bias, None)
+        return super().linear(x, weight, bias) if y is None else y.to(x.dtype)
+
+    # One fused pass each instead of 3-6 ATen ops (the per-op overhead decides a small decode step).
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 16 == 0 and x.dtype == weight.dtype:
+            return self.k.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        t, _h, d = x.shape
+        if x.stride(2) == 1 and x.stride(1) == d and d % 32 == 0 and cos.dtype == x.dtype:
+            return self.k.rotary(x, cos.reshape(t, d), sin_signed.reshape(t, d))
+        return super().rotary(x, cos, sin_signed)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.stride(1) == 1 and gate_up.shape[1] % 32 == 0:
+            return self.k.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+        if residual.dtype == torch.float32 and residual.stride(1) == 1:
+            if self._run(x, weight, bias, residual) is not None:
+                return
+        else:
+            y = self._run(x, weight, bias, None)
+            if y is not None:
+                residual.add_(y.to(residual.dtype))
+                return
+        super().add_linear_(residual, x, weight, bias)
+
+
+def dequantize(pw: PackedWeight) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weight a packed one stands for."""
+    panels, k, width = pw.data.shape
+    w = pw.data.float().transpose(1, 2).reshape(panels * width, k)[: pw.out_features]
+    return w * pw.scale[:, None] if pw.scale is not None else w
+
+
+def cpu_weight_format(args: Any, device: torch.device) -> str | None:
+    """The packed-weight format of the CPU fast path for these server args (None: plain torch). The packed
+    kernels need a C++ compiler; without one the plain torch path runs (int8 cannot, and says why)."""
+    if device.type != "cpu" or args.enable_deterministic_inference:
+        return None
+    fmt = "int8" if args.quantization == "int8" else args.dtype
+    if fmt not in ("float32", "bfloat16", "int8"):
+        return None
+    from runtime.kernels.build import KernelBuildError, load_kernels
+
+    try:
+        load_kernels("fastcpu")
+    except KernelBuildError as exc:
+        if fmt == "int8":
+            raise
+        logger.warning("decode-sized linear layers run through torch (slower): %s", exc)
+        return None
+    return fmt
+
+
+def make_ops(deterministic: bool, weight_format: str | None = None) -> ModelOps:
+    """Deterministic mode's invariant kernels; else the packed kernels for ``weight_format``; else torch."""
+    if deterministic:
+        return InvariantOps()
+    if weight_format is not None:
+        return PackedCpuOps(weight_format)
+    return TorchOps()

@@ -1,0 +1,164 @@
+"""The CPU forward pass against its floor and against transformers, per weight format, in one run.
+
+For float32, bfloat16 and int8 (weight-only) weights, on the default model:
+
+- the weight-streaming floor of a decode step (bytes of weights read / streaming bandwidth measured now);
+- decode step ms at batch 1, 8 and 32 over ~1k-token contexts (whole scheduler steps) and the ratio to
+  the floor; at batch 1 where the step goes: linear layers, attention, everything else (Python, small ops);
+- prefill tokens/s of one 1,024-token prompt.
+
+Then transformers (fp32, the same weights): one padded batch of 32 decoding over the same contexts
+(ms/step) and a 1,024-token prefill.
+
+    python benchmarks/bench_cpu_forward.py [--context 1000] [--formats float32 bfloat16 int8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from engine_steps import decode_step_ms, emit
+
+from runtime.bench.floor import floor_ms, stream_bandwidth, weight_bytes
+from runtime.config import cpu_has_native_bf16
+from runtime.engine import Engine
+from runtime.models.loader import resolve_model_path
+
+FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
+           "int8": {"dtype": "float32", "quantization": "int8"}}
+
+
+def cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = f.read().split("flags", 1)[1].split("\n", 1)[0].split()
+    return " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags)
+
+
+class Timers:
+    """Wraps the model's linear ops and attention forward with accumulating timers (a profiling pass); only
+    single-row calls count, i.e. batch-1 decode steps (a prefill's rows come many at a time)."""
+
+    def __init__(self, model: Any):
+        self.totals = {"linear": 0.0, "attention": 0.0}
+        self.attention_calls = 0
+        self.layers = model.arch.num_layers
+        self.undo: list[Callable[[], None]] = []
+        for name in ("linear", "add_linear_"):
+            self._wrap(model.ops, name, "linear")
+        self._wrap(model.attn_backend, "forward", "attention")
+
+    def _wrap(self, obj: Any, name: str, bucket: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            rows = a[0].shape[0] if bucket == "attention" else a[1 if name == "add_linear_" else 0].shape[0]
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                if rows == 1:
+                    self.totals[bucket] += time.perf_counter() - t
+                    self.attention_calls += bucket == "attention"
+
+        setattr(obj, name, timed)
+        self.undo.append(lambda: delattr(obj, name))
+
+    def close(self) -> None:
+        for u in self.undo:
+            u()
+
+
+def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float) -> dict[str, Any]:
+    eng = Engine(model="default", max_total_tokens=34 * (context + 64) + 2048, log_level="warning", **FORMATS[fmt])
+    model = eng.scheduler.runner.model
+    rng = random.Random(0)
+    out: dict[str, Any] = {"weight_mb": weight_bytes(model) / 1e6, "floor_ms": floor_ms(model, bandwidth)}
+    try:
+        prompt = [rng.randrange(3, 49000) for _ in range(1024)]
+        eng.generate(input_ids=prompt[:64], sampling_params={"max_new_tokens": 2})  # warm-up
+        eng.flush_cache()
+        t0 = time.perf_counter()
+        eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+        out["prefill_tok_s"] = 1024 / (time.perf_counter() - t0)
+        sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        for b in batches:
+            eng.flush_cache()
+            prompts = [[rng.randrange(3, 49000) for _ in range(context)] for _ in range(b)]
+            # long enough that the first admitted requests still decode once the last prompt is in
+            spb = {**sp, "max_new_tokens": 16 + b * context // 1024}
+            ms, _ = decode_step_ms(eng, b, lambda ps=prompts, spb=spb: eng.generate(input_ids=ps, sampling_params=spb))
+            out[f"decode_b{b}_ms"] = ms
+            out[f"decode_b{b}_over_floor"] = ms / out["floor_ms"]
+        # where a batch-1 step goes (a separate pass: the timers cost a little themselves)
+        eng.flush_cache()
+        prompts = [[rng.randrange(3, 49000) for _ in range(context)]]
+        timers = eng._control(lambda s: Timers(s.runner.model))
+        steps = 24
+        ms, _ = decode_step_ms(eng, 1, lambda: eng.generate(input_ids=prompts, sampling_params={
+            **sp, "max_new_tokens": steps}))
+        eng._control(lambda s: timers.close())
+        forwards = timers.attention_calls / timers.layers
+        per_step = {k: 1e3 * v / forwards for k, v in timers.totals.items()}
+        out["b1_breakdown_ms"] = {**per_step, "other": max(0.0, ms - sum(per_step.values())), "step": ms}
+    finally:
+        eng.shutdown()
+    return out
+
+
+def measure_transformers(context: int, batch: int, steps: int = 8) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("default"), dtype=torch.float32).eval()
+    rng = random.Random(1)
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        ids = torch.tensor([[rng.randrange(3, 49000) for _ in range(1024)]])
+        model(ids[:, :64])
+        t0 = time.perf_counter()
+        model(ids)
+        out["prefill_tok_s"] = 1024 / (time.perf_counter() - t0)
+        ids = torch.tensor([[rng.randrange(3, 49000) for _ in range(context)] for _ in range(batch)])
+        res = model(ids, use_cache=True)
+        past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            res = model(nxt, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t)
+            past, nxt = res.past_key_values, res.logits[:, -1].argmax(-1, keepdim=True)
+        out[f"decode_b{batch}_ms"] = 1e3 * statistics.median(times)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=1000)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--json", help="also save the result here")
+    a = ap.parse_args()
+    bandwidth = stream_bandwidth()
+    result: dict[str, Any] = {"cpu": cpu_flags(), "native_bf16": cpu_has_native_bf16(),
+                              "threads": torch.get_num_threads(), "context": a.context,
+                              "stream_gb_s": bandwidth / 1e9, "formats": {}}
+    for fmt in a.formats:
+        result["formats"][fmt] = measure_format(fmt, a.context, a.batches, bandwidth)
+    if not a.no_transformers:
+        hf = measure_transformers(a.context, max(a.batches))
+        result["transformers"] = hf
+        for r in result["formats"].values():
+            b = max(a.batches)
+            r[f"vs_transformers_decode_b{b}"] = hf[f"decode_b{b}_ms"] / r[f"decode_b{b}_ms"]
+            r["vs_transformers_prefill"] = r["prefill_tok_s"] / hf["prefill_tok_s"]
+    emit(result, a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Decode attention that reads the paged KV pool in place (``runtime/kernels/fastcpu.cpp``).
+
+The gather path of ``torch_native`` copies every decoding request's KV into a padded batch before SDPA; at
+batch 32 over 1k-token contexts that copy cost more than the attention. This kernel walks each request's
+slot indices instead, so the KV is read once, where it lives. Used by ``torch_native`` on the CPU for decode
+rows and for short prefill chunks over a long cached prefix (a few-shot question after its shared block:
+gathering the whole prefix for a handful of new tokens cost more than attending it), whenever the kernels
+build (a C++ compiler is present); otherwise the gather path runs and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from runtime.attention.base import AttentionShape
+
+logger = logging.getLogger(__name__)
+
+
+class PagedDecodeKernel:
+    def __init__(self, shape: AttentionShape, kernels: Any):
+        self.shape = shape
+        self.kernels = kernels
+
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+            lengths: torch.Tensor, row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``; pools ``[slots, Hkv * D]``; token t attends ``kv_index[row_index[t], :lengths[t]]``
+        (``row_index`` None: row t; entries past a length are never read). Returns ``(out [T, H, D] fp32,
+        lse [T, H] fp32)``."""
+        out, lse = self.kernels.decode_attention(q.float(), k_pool, v_pool, kv_index, row_index, lengths,
+                                                 self.shape.scale, self.shape.num_kv_heads)
+        return out, lse
+
+    def extend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+               prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A short chunk of E new tokens after ``prefix`` KV positions of one request (``kv_index [prefix + E]``):
+        new token i attends positions ``0 .. prefix + i``, read in place."""
+        e = q.shape[0]
+        lengths = torch.arange(prefix + 1, prefix + e + 1, dtype=torch.int64)
+        return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
+
+
+def supported(shape: AttentionShape, dtype: torch.dtype | None = None) -> bool:
+    return (shape.head_dim % 16 == 0 and shape.head_dim <= 256 and shape.num_heads // shape.num_kv_heads <= 16
+            and dtype in (None, torch.float32, torch.bfloat16))
+
+
+def paged_decode_kernel(shape: AttentionShape, device: torch.device) -> PagedDecodeKernel | None:
+    """The in-place decode kernel for ``shape`` on ``device``, or None where it cannot run."""
+    if device.type != "cpu" or not supported(shape):
+        return None
+    kernels = _fastcpu()
+    return PagedDecodeKernel(shape, kernels) if kernels is not None else None
+
+
+@functools.cache
+def _fastcpu() -> Any:
+    from runtime.kernels.build import KernelBuildError, load_kernels
+
+    try:
+        return load_kernels("fastcpu")
+    except KernelBuildError as exc:
+        logger.warning("decode attention gathers KV into a padded copy (slower): %s", exc)
+        return None

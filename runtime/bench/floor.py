@@ -1,0 +1,58 @@
+"""The weight-streaming floor of a decode step, measured on this machine.
+
+A decode step at small batch must read every weight once; no kernel can beat the time that takes at the
+memory's streaming bandwidth. ``stream_bandwidth`` measures that bandwidth (a sum over a buffer four
+times the last-level cache, so it comes from DRAM), ``weight_bytes`` counts the bytes a step reads in the
+model's weight format, and ``floor_ms`` divides them. Benchmarks print a step's time next to its floor.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+def last_level_cache_bytes() -> int:
+    try:
+        import os
+
+        for index in range(4, -1, -1):
+            path = f"/sys/devices/system/cpu/cpu0/cache/index{index}/size"
+            if os.path.exists(path):
+                text = open(path).read().strip()  # noqa: SIM115 (one read)
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+                return int(text.rstrip("KMG")) * mult
+    except (OSError, ValueError):
+        pass
+    return 64 << 20
+
+
+def stream_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second of a multi-threaded streaming read (median of ``repeats``)."""
+    size = min(2 << 30, max(256 << 20, 4 * last_level_cache_bytes()))
+    buf = torch.ones(size // 4, dtype=torch.float32)
+    buf.sum()  # first touch
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.nbytes / statistics.median(times)
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of weights one decode step reads: every linear layer and the output projection, in the format
+    they are stored in for decode (packed copies where the model's ops keep them)."""
+    packed = getattr(model.ops, "packed", {})
+    total = 0
+    for w in [*model.linear_weights(), model.output_weight()]:
+        pw = packed.get(id(w))
+        total += pw.nbytes if pw is not None else w.numel() * w.element_size()
+    return total
+
+
+def floor_ms(model: Any, bandwidth: float) -> float:
+    return 1e3 * weight_bytes(model) / bandwidth

@@ -1,0 +1,187 @@
+"""The CPU fast path: decode attention over the paged pool in place, packed linear layers in float32,
+bfloat16 and int8, the ops and backend that use them, the weight-format flags, and the quality check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.base import AttentionShape
+from runtime.attention.torch_native import TorchNativeBackend
+from runtime.config import ServerArgs, cpu_has_native_bf16
+from runtime.kernels.build import load_kernels
+from runtime.models.ops import PackedCpuOps, dequantize
+from runtime.models.packed import pack_weight, quantize_int8
+
+
+@pytest.fixture(scope="module")
+def k():
+    return load_kernels("fastcpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_the_pool_in_place(k, dtype):
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, pool = 9, 3, 64, 3000
+    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    lengths = torch.tensor([1, 15, 16, 17, 300, 1200])
+    index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)  # padding: slot 0, never read
+    for b, n in enumerate(lengths.tolist()):
+        index[b, :n] = torch.randperm(pool, generator=g)[:n]
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    out, lse = k.decode_attention(q, k_pool, v_pool, index, None, lengths, dim**-0.5, kv_heads)
+    for b, n in enumerate(lengths.tolist()):
+        keys = k_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(3, 1).transpose(0, 1)
+        vals = v_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(3, 1).transpose(0, 1)
+        scores = (q[b][:, None] @ keys.transpose(1, 2))[:, 0] * dim**-0.5
+        torch.testing.assert_close(out[b], (torch.softmax(scores, -1)[:, None] @ vals)[:, 0], rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (64, 130)])
+def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
+    g = torch.Generator().manual_seed(kdim + n)
+    w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
+    pw = pack_weight(w, fmt)
+    assert pw.data.shape == (-(-n // 64), kdim, 64) and pw.out_features == n
+    ref_w = dequantize(pw)
+    if fmt == "int8":
+        assert (ref_w - w).abs().max() <= w.abs().amax() / 254 + 1e-6  # half a quantisation step
+    else:
+        torch.testing.assert_close(ref_w, w.to(getattr(torch, fmt)).float())
+    for m in (1, 3, 17):
+        x = torch.randn(m, kdim, generator=g)
+        torch.testing.assert_close(k.linear_packed(x, pw.data, n, pw.scale, b, None), F.linear(x, ref_w, b),
+                                   rtol=1e-4, atol=1e-3)
+        res = torch.randn(m, n, generator=g)
+        expected = res + F.linear(x, ref_w)
+        k.linear_packed(x, pw.data, n, pw.scale, None, res)
+        torch.testing.assert_close(res, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_int8_quantization_is_per_output_row():
+    w = torch.tensor([[1.0, -2.0, 0.5], [100.0, 50.0, -25.0]])
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.tolist() == pytest.approx([2 / 127, 100 / 127])
+    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [127, 64, -32]
+
+
+class TinyModel:
+    """What PackedCpuOps.prepare reads of a model."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.layer = torch.nn.Parameter(torch.randn(40, 32, generator=g), requires_grad=False)
+        self.embed_tokens = torch.nn.Parameter(torch.randn(100, 32, generator=g), requires_grad=False)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        return [self.layer]
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens
+
+
+def test_int8_ops_release_the_float_weights_but_keep_the_tied_embedding():
+    model = TinyModel()
+    dense, embed = model.layer.detach().clone(), model.embed_tokens.detach().clone()
+    ops = PackedCpuOps("int8")
+    ops.prepare(model)
+    assert model.layer.numel() == 0, "the int8 panels replace the float weight"
+    assert torch.equal(model.embed_tokens, embed), "the embedding table is still read by lookups"
+    # what the int8 weight stands for: within half a quantisation step of the float weight
+    int8_w, int8_embed = dequantize(ops.packed[id(model.layer)]), dequantize(ops.packed[id(model.embed_tokens)])
+    assert (int8_w - dense).abs().max() <= dense.abs().amax() / 254 + 1e-6
+    x_small, x_large = torch.randn(2, 32), torch.randn(40, 32)  # the packed kernel, and a dequantised GEMM
+    for x in (x_small, x_large):
+        torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(x, int8_w), rtol=1e-4, atol=1e-4)
+    residual = torch.ones(2, 100)
+    ops.add_linear_(residual, x_small, model.embed_tokens, None)
+    torch.testing.assert_close(residual, 1 + F.linear(x_small, int8_embed), rtol=1e-4, atol=1e-4)
+
+
+def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1):
+    """A batch over a random pool: request i has ``lens[i]`` tokens, its last ``extend`` new, the first
+    ``shared`` slots the same for all (a cached prefix: cascade groups form when it is long enough)."""
+    from radix.kv_storage import KVShape, KVStorage
+    from runtime.executor.forward_batch import build_forward_batch
+
+    g = torch.Generator().manual_seed(seed)
+    slots = 8192
+    kv = KVStorage(KVShape(1, shape.num_kv_heads, shape.head_dim, torch.float32), slots)
+    kv.k_buffer.normal_(generator=g)
+    kv.v_buffer.normal_(generator=g)
+    table = torch.zeros(len(lens), max(lens) + 8, dtype=torch.int64)
+    perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()
+    prefix, rest = perm[:shared], perm[shared:]
+    for i, n in enumerate(lens):
+        own, rest = rest[: n - shared], rest[n - shared :]
+        table[i, :n] = torch.tensor(prefix + own)
+    out_loc = torch.cat([table[i, n - extend : n] for i, n in enumerate(lens)])
+    batch = build_forward_batch([[1] * extend] * len(lens), [n - extend for n in lens], list(range(len(lens))),
+                                out_loc, kv, table)
+    rows = len(lens) * extend
+    q = torch.randn(rows, shape.num_heads, shape.head_dim, generator=g)
+    k_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g)
+    v_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g)
+    return batch, q, k_new, v_new
+
+
+@pytest.mark.parametrize(("lens", "shared", "extend"), [([5, 80, 333, 1000], 0, 1), ([400, 420, 450, 500], 380, 1),
+                                                       ([300, 90], 0, 12)])
+def test_in_place_decode_equals_the_gather_path_inside_the_backend(lens, shared, extend):
+    """Plain decode rows; with a long shared prefix the own parts of a cascade group merged by LSE; short
+    prefill chunks over a cached prefix (each new token attends its own positions)."""
+    shape = AttentionShape(9, 3, 64)
+    fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
+    assert fast.paged is not None and gather.paged is None
+    outs = []
+    for backend in (fast, gather):
+        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=3, extend=extend)
+        backend.plan(batch)
+        assert (batch.attn_metadata.cascade is not None) == (shared > 0)
+        outs.append(backend.forward(q, k_new, v_new, 0, batch))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_auto_and_quantization_flags():
+    expected = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert ServerArgs(device="cpu").resolve().dtype == expected
+    assert ServerArgs(device="cpu", dtype="float32").resolve().dtype == "float32"
+    assert ServerArgs(device="cpu", enable_deterministic_inference=True).resolve().dtype == "float32"
+    assert ServerArgs(device="cpu", quantization="int8").resolve().quantization == "int8"
+    with pytest.raises(ValueError, match="enable_deterministic_inference"):
+        ServerArgs(device="cpu", quantization="int8", enable_deterministic_inference=True).resolve()
+
+
+def test_quality_check_runs_every_format(tiny_model_dir):
+    from runtime.bench.quality import measure
+
+    rows = measure(str(tiny_model_dir), ["bfloat16", "int8"], count=4, new_tokens=4,
+                   engine_args={"max_total_tokens": 4096})
+    assert [r.name for r in rows] == ["float32", "bfloat16", "int8"]
+    ref = rows[0]
+    assert ref.identical == 1.0 and ref.agreeing_tokens == 1.0 and ref.perplexity_change == 0.0
+    for r in rows:
+        assert r.prompts == 4 and 0.0 <= r.identical <= r.agreeing_tokens <= 1.0
+        assert math.isfinite(r.perplexity) and r.perplexity > 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_silu_and_rope_match_torch(k, dtype):
+    from runtime.models.layers import apply_rotary, rms_norm
+
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), **tol)
+    gu = torch.randn(3, 256, generator=g).to(dtype)
+    torch.testing.assert_close(k.silu_mul(gu), F.silu(gu[:, :128]) * gu[:, 128:], **tol)
+    qkv = torch.randn(4, 960, generator=g).to(dtype)
+    heads = qkv[:, :768].view(4, 12, 64)  # a strided view, as the model passes q and k
+    cos, sin = torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
+    torch.testing.assert_close(k.rotary(heads, cos, sin), apply_rotary(heads, cos[:, None], sin[:, None]), **tol)
