@@ -161,6 +161,10 @@ class ServerArgs:
             need(self.quantization == "none", name, "runs unquantized float32 weights (--quantization none)")
         need(self.quantization == "none" or self.device in ("auto", "cpu"), "quantization",
              "int8 weight-only quantization is implemented for the CPU")
+        if self.device == "cpu" and self.dtype == "bfloat16":
+            need(aten_cpu_capability() == "AVX512", "dtype",
+                 f"bfloat16 on the CPU needs torch's AVX-512 kernels (its bf16 attention refuses to run on "
+                 f"{aten_cpu_capability()}); use --dtype float32")
         if self.attention_backend == "invariant" and not self.enable_deterministic_inference:
             need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
 
@@ -206,12 +210,17 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
 
 
+def aten_cpu_capability() -> str:
+    """The vector width torch's CPU kernels run with here (e.g. AVX512, AVX2; ATEN_CPU_CAPABILITY lowers it)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 dot products natively (avx512_bf16 or AMX) and torch's kernels may use
     them (ATen's capability is AVX-512: with ``ATEN_CPU_CAPABILITY=avx2`` its bf16 attention refuses to run)."""
-    import torch
-
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+    if aten_cpu_capability() != "AVX512":
         return False
     try:
         with open("/proc/cpuinfo") as f:
