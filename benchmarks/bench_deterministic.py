@@ -1,5 +1,6 @@
 """What ``--enable-deterministic-inference`` costs: decode step at batch 1, 8 and 32 and prefill tokens/s,
-default kernels vs batch-invariant ones, on the default model, one Engine after the other in one run.
+default kernels vs batch-invariant ones (both float32), on the default model, one Engine after the other in
+one run.
 
     python benchmarks/bench_deterministic.py [--context 1000] [--json det.json]
 """
@@ -29,7 +30,8 @@ def cpu_flags() -> str:
 
 
 def measure(deterministic: bool, context: int, batches: list[int], prefill_len: int) -> dict[str, Any]:
-    eng = Engine(model="default", max_total_tokens=48 * (context + 80), log_level="warning",
+    # float32 both ways: the cost of invariance, not of a wider type
+    eng = Engine(model="default", max_total_tokens=48 * (context + 80), log_level="warning", dtype="float32",
                  enable_deterministic_inference=deterministic)
     rng = random.Random(0)
     out: dict[str, Any] = {}
@@ -44,7 +46,8 @@ def measure(deterministic: bool, context: int, batches: list[int], prefill_len: 
         for b in batches:
             eng.flush_cache()
             prompts = [[rng.randrange(3, 49000) for _ in range(context)] for _ in range(b)]
-            sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+            # long enough that the first admitted requests still decode once the last prompt is in
+            sp = {"max_new_tokens": 12 + b * context // 1024, "temperature": 0, "ignore_eos": True}
             ms, _ = decode_step_ms(eng, b, lambda ps=prompts, sp=sp: eng.generate(input_ids=ps, sampling_params=sp))
             out[f"decode_b{b}_ms"] = ms
     finally:
