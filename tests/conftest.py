@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,6 +42,20 @@ def smol_dir() -> Path:
     from runtime.models.loader import resolve_model_path
 
     return resolve_model_path("default")
+
+
+@contextmanager
+def checked_engine(model: str | Path, **options: Any) -> Iterator[Any]:
+    """An in-process Engine that must end with no KV held by requests (the accounting invariant)."""
+    from runtime.engine import Engine
+
+    eng = Engine(model=str(model), log_level="warning", **options)
+    try:
+        yield eng
+        report = eng.check_integrity()
+        assert report["private"] == 0 and report["protected"] == 0, report
+    finally:
+        eng.shutdown()
 
 
 def make_tiny_model(folder: Path, tokenizer_src: Path, seed: int = 0, layers: int = 2,

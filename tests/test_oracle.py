@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import checked_engine
 from tests.oracle import (
     LOGPROB_TOL,
     TIE_EPS,
@@ -107,13 +108,8 @@ def test_select_rule_and_prefix() -> None:
 # ---------------------------------------------------------------------- with the runtime's own logprobs
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[Any]:
-    from runtime.engine import Engine
-
-    eng = Engine(model=str(tiny_model_dir), max_total_tokens=4096, dtype="float32", log_level="warning")
-    yield eng
-    report = eng.check_integrity()
-    assert report["private"] == 0 and report["protected"] == 0, report
-    eng.shutdown()
+    with checked_engine(tiny_model_dir, max_total_tokens=4096, dtype="float32") as eng:
+        yield eng
 
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -19,6 +19,7 @@ import pytest
 
 from runtime.engine import Engine
 from runtime.tokenizer_utils import apply_chat_template
+from tests.conftest import checked_engine
 from tests.oracle import WITH_TOP2, Greedy, assert_text_agrees
 from tests.server_harness import ServerProcess
 
@@ -28,11 +29,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    eng = Engine(model=str(tiny_model_dir), max_total_tokens=8192, dtype="float32", log_level="warning")
-    yield eng
-    report = eng.check_integrity()
-    assert report["private"] == 0 and report["protected"] == 0, report
-    eng.shutdown()
+    with checked_engine(tiny_model_dir, max_total_tokens=8192, dtype="float32") as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
