@@ -31,6 +31,8 @@ LDFLAGS = ["-fopenmp"]
 # fuse some call sites and not others), and without fast-math float sums are never reordered; -march=native
 # only picks instructions, not arithmetic. fastcpu: multiply-adds may fuse (FMA), for speed.
 CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CFLAGS, "-ffp-contract=fast"]}
+# The translation units of each kernel set (headers beside them are part of every set's build key).
+SOURCES = {"invariant": ["invariant.cpp"], "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp"]}
 
 
 class KernelBuildError(RuntimeError):
@@ -66,11 +68,11 @@ def _ninja_on_path() -> None:
 
 @functools.cache
 def load_kernels(name: str) -> ModuleType:
-    """Build (if needed) and import ``runtime/kernels/<name>.cpp`` as a Python module (once per process)."""
+    """Build (if needed) and import the kernel set ``name`` (``SOURCES``) as a Python module (once per process)."""
     from torch.utils import cpp_extension
 
-    source = HERE / f"{name}.cpp"
-    text = source.read_bytes()
+    sources = [HERE / f for f in SOURCES[name]]
+    text = b"".join(p.read_bytes() for p in [*sources, *sorted(HERE.glob("*.h"))])
     flags = CFLAGS[name]
     key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags().encode()
                          + " ".join(flags + LDFLAGS).encode()).hexdigest()[:16]
@@ -85,7 +87,7 @@ def load_kernels(name: str) -> ModuleType:
     if fresh:
         logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, build_dir)
     try:
-        module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(source)],
+        module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(p) for p in sources],
                                     extra_cflags=flags, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
                                     verbose=False)
     except Exception as exc:  # compiler errors, a missing ninja, a failed import of the built library

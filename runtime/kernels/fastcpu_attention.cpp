@@ -1,0 +1,182 @@
+// Decode attention over the paged KV pool read in place (see fastcpu.cpp for the module's overview).
+
+#include "fastcpu_vec.h"
+
+namespace {
+
+using namespace fastcpu;
+
+constexpr int kTile = 16;  // KV positions scored at once
+constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector path
+constexpr int kMaxDim = 256;
+
+// One (request, KV head, position range): online softmax over the range for the G query heads of the KV
+// head. Writes the running max, sum and unnormalised output of each head.
+template <typename KV>
+void attend_range(const float* q, int64_t group, int64_t d, const KV* k_pool, const KV* v_pool,
+                  int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1, float scale,
+                  float* m_out, float* l_out, float* acc_out) {
+  const int64_t nv = d / 16;
+  float m[kMaxGroup], l[kMaxGroup];
+  v16 acc[kMaxGroup][kMaxDim / 16];
+  v16 qv[kMaxGroup][kMaxDim / 16];
+  for (int64_t g = 0; g < group; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+    for (int64_t c = 0; c < nv; ++c) {
+      acc[g][c] = splat(0.f);
+      qv[g][c] = load(q + g * d + c * 16) * splat(scale);
+    }
+  }
+  alignas(64) float s[kMaxGroup][kTile];
+  for (int64_t j = j0; j < j1; j += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, j1 - j);
+    v16 dp[kMaxGroup][kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= n) {
+        for (int64_t g = 0; g < group; ++g) dp[g][t] = splat(0.f);
+        continue;
+      }
+      const KV* kr = k_pool + slots[j + t] * slot_stride + head_off;
+      v16 kc[kMaxDim / 16];
+      for (int64_t c = 0; c < nv; ++c) kc[c] = load(kr + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        v16 acc_t = qv[g][0] * kc[0];
+        for (int64_t c = 1; c < nv; ++c) acc_t += qv[g][c] * kc[c];
+        dp[g][t] = acc_t;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) store(&s[g][0], hsum16(dp[g]));
+    for (int64_t t = n; t < kTile; ++t)
+      for (int64_t g = 0; g < group; ++g) s[g][t] = -INFINITY;
+    for (int64_t g = 0; g < group; ++g) {
+      float tile_max = s[g][0];
+      for (int64_t t = 1; t < n; ++t) tile_max = std::max(tile_max, s[g][t]);
+      const float new_m = std::max(m[g], tile_max);
+      const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
+      m[g] = new_m;
+      v16 p = exp16(load(&s[g][0]) - splat(new_m));
+      store(&s[g][0], p);
+      float tile_sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) tile_sum += s[g][t];
+      l[g] = l[g] * correction + tile_sum;
+      for (int64_t c = 0; c < nv; ++c) acc[g][c] *= splat(correction);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const KV* vr = v_pool + slots[j + t] * slot_stride + head_off;
+      for (int64_t c = 0; c < nv; ++c) {
+        const v16 vc = load(vr + c * 16);
+        for (int64_t g = 0; g < group; ++g) acc[g][c] += splat(s[g][t]) * vc;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+    for (int64_t c = 0; c < nv; ++c) store(acc_out + g * d + c * 16, acc[g][c]);
+  }
+}
+
+template <typename KV>
+std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                                 const torch::Tensor& v_pool, const torch::Tensor& kv_index,
+                                                 const torch::Tensor& row_index, const torch::Tensor& lengths,
+                                                 double scale, int64_t hkv) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), group = h / hkv, width = kv_index.size(1);
+  const int64_t max_len = lengths.numel() ? lengths.max().item<int64_t>() : 0;
+  const int64_t threads = at::get_num_threads();
+  // Enough ranges that every core has work even for one request; none shorter than 64 positions.
+  int64_t splits = std::max<int64_t>(1, (4 * threads + b * hkv - 1) / (b * hkv));
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, (max_len + 63) / 64));
+  auto opts = q.options().dtype(torch::kFloat32);
+  torch::Tensor part_m = torch::empty({b, splits, h}, opts);
+  torch::Tensor part_l = torch::empty({b, splits, h}, opts);
+  torch::Tensor part_acc = torch::empty({b, splits, h, d}, opts);
+  const float* qp = q.data_ptr<float>();
+  const KV* kp = k_pool.data_ptr<KV>();
+  const KV* vp = v_pool.data_ptr<KV>();
+  const int64_t* idx = kv_index.data_ptr<int64_t>();
+  const int64_t* which = row_index.defined() ? row_index.data_ptr<int64_t>() : nullptr;
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  float* pm = part_m.data_ptr<float>();
+  float* pl = part_l.data_ptr<float>();
+  float* pa = part_acc.data_ptr<float>();
+  const int64_t slot_stride = hkv * d;
+  at::parallel_for(0, b * hkv * splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t sp = item % splits, kvh = (item / splits) % hkv, r = item / (splits * hkv);
+      const int64_t len = lens[r], chunk = (len + splits - 1) / splits;
+      const int64_t j0 = std::min(len, sp * chunk), j1 = std::min(len, j0 + chunk);
+      const int64_t base = (r * splits + sp) * h + kvh * group;
+      if (j0 >= j1) {
+        for (int64_t g = 0; g < group; ++g) {
+          pm[base + g] = -INFINITY;
+          pl[base + g] = 0.f;
+          std::fill(pa + (base + g) * d, pa + (base + g + 1) * d, 0.f);
+        }
+        continue;
+      }
+      attend_range<KV>(qp + (r * h + kvh * group) * d, group, d, kp, vp, slot_stride, kvh * d, idx + (which ? which[r] : r) * width,
+                       j0, j1, static_cast<float>(scale), pm + base, pl + base, pa + base * d);
+    }
+  });
+  torch::Tensor out = torch::empty({b, h, d}, opts);
+  torch::Tensor lse = torch::empty({b, h}, opts);
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / h, head = item % h;
+      float mx = -INFINITY;
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * h + head]);
+      float total = 0.f;
+      float* o = op + item * d;
+      std::fill(o, o + d, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t at = (r * splits + sp) * h + head;
+        if (pl[at] == 0.f) continue;
+        const float w = std::exp(pm[at] - mx);
+        total += pl[at] * w;
+        for (int64_t i = 0; i < d; ++i) o[i] += pa[at * d + i] * w;
+      }
+      const float inv = total > 0.f ? 1.0f / total : 0.f;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+      lp[item] = mx + std::log(total);
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+// Token t (a decode row, or one new token of a short prefill chunk) attends slots
+// kv_index[row_index[t], 0 .. lengths[t] - 1] (row_index absent: row t).
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
+                                            torch::Tensor lengths, double scale, int64_t num_kv_heads) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [B, H, D]");
+  q = q.contiguous();
+  const int64_t h = q.size(1), d = q.size(2);
+  TORCH_CHECK(h % num_kv_heads == 0 && h / num_kv_heads <= kMaxGroup, "unsupported head grouping");
+  TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "head dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.numel() % (num_kv_heads * d) == 0,
+              "KV pools must be contiguous [slots, kv_heads * head_dim]");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools differ in dtype");
+  TORCH_CHECK(kv_index.dim() == 2 && kv_index.scalar_type() == torch::kInt64 && kv_index.is_contiguous(),
+              "kv_index must be contiguous int64 [B, L]");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == q.size(0), "lengths must be int64 [B]");
+  lengths = lengths.contiguous();
+  torch::Tensor rows;
+  if (row_index.has_value()) {
+    rows = row_index->contiguous();
+    TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.numel() == q.size(0), "row_index must be int64 [T]");
+  } else {
+    TORCH_CHECK(kv_index.size(0) == q.size(0), "kv_index needs one row per token without row_index");
+  }
+  if (k_pool.scalar_type() == torch::kFloat32)
+    return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
+  TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pools must be float32 or bfloat16");
+  return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
+}
+
+// y = x @ W.T (* scale) (+ bias), W packed by runtime/models/packed.py as [ceil(N/64), K, 64] (float32, bfloat16
