@@ -340,6 +340,9 @@ class OverlapScheduler:
         """Wait for ``job`` and apply its results as the lockstep scheduler would. ``next_pending``: the
         requests that already hold one more KV slot in the batch built after ``job``."""
         job.done.wait()
+        # The worker read prev's tokens while running job; keeping the link would chain every job of a busy
+        # period (with its batch tensors and logits) to the next one.
+        job.prev = None
         if job.error is not None:
             raise RuntimeError("the forward worker failed") from job.error
         s = self.sched

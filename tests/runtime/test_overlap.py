@@ -272,3 +272,26 @@ def test_random_mix_equals_lockstep_and_books_balance_after_every_step(tiny_mode
     assert sched.overlap.discarded > 0
     report = sched.check_integrity()
     assert report["private"] == 0 and report["protected"] == 0
+
+
+def test_finished_jobs_are_released_during_a_long_busy_period(tiny_model_dir):
+    """Each job links to the one before it (for its placeholder tokens); once applied, that link must go, or
+    a busy period keeps every batch's tensors and logits alive."""
+    import gc
+    import weakref
+
+    sched = make_scheduler(tiny_model_dir, enable_overlap_schedule=True)
+    assert sched.overlap is not None
+    launched: list[weakref.ref] = []  # every job handed to the worker (dead references once released)
+    submit = sched.overlap.worker.submit
+    sched.overlap.worker.submit = lambda job: (launched.append(weakref.ref(job)), submit(job))[1]  # type: ignore[method-assign]
+    for i in range(4):
+        sched.submit(TokenizedRequest(f"j{i}", list(range(10 + i, 40 + i)), SamplingParams.from_dict(
+            {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True})))
+    most = 0
+    while sched.busy:
+        sched.step()
+        gc.collect()
+        most = max(most, sum(ref() is not None for ref in launched))
+    assert sched.overlap.lockstep_steps < 10
+    assert most <= 3, f"{most} jobs alive at once"
