@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from engine_steps import decode_step_ms, emit
+from engine_steps import cpu_simd, decode_step_ms, emit
 
 from runtime.bench.floor import floor_ms, stream_bandwidth, weight_bytes
 from runtime.config import cpu_has_native_bf16
@@ -32,12 +32,6 @@ from runtime.models.loader import resolve_model_path
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantization": "int8"}}
-
-
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = f.read().split("flags", 1)[1].split("\n", 1)[0].split()
-    return " ".join(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in flags)
 
 
 class Timers:
@@ -145,7 +139,7 @@ def main() -> None:
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
     bandwidth = stream_bandwidth()
-    result: dict[str, Any] = {"cpu": cpu_flags(), "native_bf16": cpu_has_native_bf16(),
+    result: dict[str, Any] = {"cpu": cpu_simd(), "native_bf16": cpu_has_native_bf16(),
                               "threads": torch.get_num_threads(), "context": a.context,
                               "stream_gb_s": bandwidth / 1e9, "formats": {}}
     for fmt in a.formats:

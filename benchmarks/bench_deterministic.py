@@ -8,25 +8,14 @@ one run.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import time
 from typing import Any
 
 import torch
-from engine_steps import decode_step_ms, emit
+from engine_steps import cpu_simd, decode_step_ms, emit
 
 from runtime.engine import Engine
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return platform.processor()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags)
 
 
 def measure(deterministic: bool, context: int, batches: list[int], prefill_len: int) -> dict[str, Any]:
@@ -65,7 +54,7 @@ def main() -> None:
     default = measure(False, a.context, a.batches, a.prefill_len)
     det = measure(True, a.context, a.batches, a.prefill_len)
     ratio = {k: (det[k] / default[k] if k.endswith("_ms") else default[k] / det[k]) for k in default}
-    emit({"cpu": cpu_flags(), "threads": torch.get_num_threads(), "context": a.context, "default": default,
+    emit({"cpu": cpu_simd(), "threads": torch.get_num_threads(), "context": a.context, "default": default,
           "deterministic": det, "cost_x": ratio}, a.json)
 
 

@@ -1,5 +1,5 @@
-"""What the Engine benchmarks share: timing decode steps from the scheduler's own step log, and
-printing and saving a result."""
+"""What the Engine benchmarks share: timing decode steps from the scheduler's own step log, naming the
+CPU's vector instruction sets, and printing and saving a result."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def decode_step_ms(engine: Engine, batch: int, run: Callable[[], T]) -> tuple[fl
     out = run()
     times = engine._control(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
     return 1000 * statistics.median(times), out
+
+
+def cpu_simd() -> str:
+    """The vector instruction sets of this CPU that decide the kernels' speed, for a benchmark's record."""
+    from runtime.config import cpu_flags
+
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
 
 
 def emit(result: dict[str, Any], path: str | None) -> None:

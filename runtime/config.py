@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
@@ -220,17 +221,20 @@ def aten_cpu_capability() -> str:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 dot products natively (avx512_bf16 or AMX) and torch's kernels may use
     them (ATen's capability is AVX-512: with ``ATEN_CPU_CAPABILITY=avx2`` its bf16 attention refuses to run)."""
-    if aten_cpu_capability() != "AVX512":
-        return False
+    return aten_cpu_capability() == "AVX512" and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
 
 
 def default_num_threads() -> int:

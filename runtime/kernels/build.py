@@ -20,6 +20,8 @@ from types import ModuleType
 
 import torch
 
+from runtime.config import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -43,17 +45,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _ninja_on_path() -> None:
     """cpp_extension runs ``ninja`` from PATH; the ninja wheel's binary may sit beside this Python only."""
     if shutil.which("ninja"):
@@ -74,7 +65,8 @@ def load_kernels(name: str) -> ModuleType:
     sources = [HERE / f for f in SOURCES[name]]
     text = b"".join(p.read_bytes() for p in [*sources, *sorted(HERE.glob("*.h"))])
     flags = CFLAGS[name]
-    key = hashlib.sha256(text + torch.__version__.encode() + _cpu_flags().encode()
+    host = " ".join(sorted(cpu_flags())) or platform.processor()
+    key = hashlib.sha256(text + torch.__version__.encode() + host.encode()
                          + " ".join(flags + LDFLAGS).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"{name}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
