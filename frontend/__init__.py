@@ -55,13 +55,15 @@ from frontend.choices import (
     unconditional_likelihood_normalized,
 )
 from frontend.dtypes import DtypeError
+from frontend.global_config import GlobalConfig, global_config
 from frontend.state import ProgramState, ProgramStateGroup
 
 __all__ = [
     "BackendError", "BaseBackend", "CacheMeter", "ChatTemplate", "ChoicesDecision", "ChoicesSamplingMethod",
-    "DtypeError", "EngineBackend", "FeatureNotSupported", "OpenAI", "ProgramState", "ProgramStateGroup",
-    "Runtime", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin", "assistant_end", "flush_cache",
-    "function", "gen", "gen_int", "gen_string", "get_chat_template", "get_default_backend", "get_server_info",
-    "greedy_token_selection", "select", "set_default_backend", "system", "system_begin", "system_end",
-    "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
+    "DtypeError", "EngineBackend", "FeatureNotSupported", "GlobalConfig", "OpenAI", "ProgramState",
+    "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "SglFunction", "assistant", "assistant_begin",
+    "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string", "get_chat_template",
+    "get_default_backend", "get_server_info", "global_config", "greedy_token_selection", "select",
+    "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]

@@ -35,6 +35,7 @@ from frontend.ir import (
     as_expr,
     names_defined,
 )
+from frontend.stream_meta import StreamMeta
 
 if TYPE_CHECKING:
     from frontend.backends.base import BaseBackend
@@ -71,6 +72,8 @@ class StreamExecutor:
         self.stream_text_event = threading.Event()
         self.stream_var_event: dict[str, threading.Event] = {}
         self.stream_buffers: dict[str, str] = {}
+        # Per streamed variable, its chunks as they arrived: (new text, that frame's meta_info increment).
+        self.stream_frames: dict[str, list[tuple[str, dict[str, Any]]]] = {}
 
         self._queue: queue.Queue[Expr | None] = queue.Queue()
         if use_thread:
@@ -274,20 +277,33 @@ class StreamExecutor:
         name = expr.name
         if not self.stream:
             comp, meta = self.backend.generate(self, params)
-            self.text_ += comp
+            if isinstance(comp, list):  # n > 1: the state continues with the first sample (as in SGLang)
+                self.text_ += comp[0]
+                value: Any = [convert(c, params.dtype) if params.dtype else c for c in comp]
+            else:
+                self.text_ += comp
+                value = convert(comp, params.dtype) if params.dtype else comp
         else:
-            comp, meta = "", {}
+            if (params.n or 1) > 1:
+                raise ValueError("gen: n > 1 samples cannot be streamed")
+            comp, meta, frames = "", {}, StreamMeta()
+            chunks: list[tuple[str, dict[str, Any]]] = []
+            if name is not None:
+                self.stream_frames[name] = chunks  # a gen that reuses a name starts its stream afresh
             for delta, frame_meta in self.backend.generate_stream(self, params):
-                meta = frame_meta
+                increment, meta = frames.feed(frame_meta)
                 self.text_ += delta
                 comp += delta
                 if name is not None:
+                    chunks.append((delta, increment))
+                    self.meta_info[name] = meta
                     self.stream_buffers[name] = comp
                     self.stream_var_event[name].set()
                 self.stream_text_event.set()
+            value = convert(comp, params.dtype) if params.dtype else comp
         if name is None:
             return
-        self.variables[name] = convert(comp, params.dtype) if params.dtype else comp
+        self.variables[name] = value
         self.meta_info[name] = meta
         self._set_event(name)
 
@@ -297,5 +313,6 @@ class StreamExecutor:
         if expr.name is not None:
             self.variables[expr.name] = decision.decision
             self.stream_buffers[expr.name] = decision.decision
+            self.stream_frames[expr.name] = [(decision.decision, dict(decision.meta_info or {}))]
             self.meta_info[expr.name] = decision.meta_info
             self._set_event(expr.name)

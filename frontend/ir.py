@@ -13,6 +13,12 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+# SGLang programs import the dtype regexes from the IR module (``from sglang.lang.ir import REGEX_INT``).
+from frontend.dtypes import REGEX_BOOL as REGEX_BOOL
+from frontend.dtypes import REGEX_FLOAT as REGEX_FLOAT
+from frontend.dtypes import REGEX_INT as REGEX_INT
+from frontend.dtypes import REGEX_STR as REGEX_STR
+
 if TYPE_CHECKING:
     from frontend.choices import ChoicesSamplingMethod
     from frontend.state import ProgramState
@@ -27,8 +33,10 @@ class GenParams:
 
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
+    n: int | None = None
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
+    stop_regex: str | Sequence[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -55,9 +63,11 @@ class GenParams:
 
     @property
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return _str_list(self.stop)
+
+    @property
+    def stop_regex_list(self) -> list[str]:
+        return _str_list(self.stop_regex)
 
     def to_native(self) -> dict[str, Any]:
         """The ``sampling_params`` object of a native ``/generate`` request (unset fields omitted)."""
@@ -71,6 +81,11 @@ class GenParams:
             out["stop"] = self.stop_list
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
+        # Sent only when used, so programs that do not use them also run on servers without them.
+        if self.stop_regex_list:
+            out["stop_regex"] = self.stop_regex_list
+        if self.n is not None and self.n != 1:
+            out["n"] = self.n
         return out
 
     def logprob_fields(self) -> dict[str, Any]:
@@ -83,10 +98,16 @@ class GenParams:
         return out
 
 
+def _str_list(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
 def program_defaults(**overrides: Any) -> GenParams:
     """The defaults ``fn.run(...)`` starts from (SGLang's: 128 new tokens, temperature 1.0)."""
-    base = GenParams(max_new_tokens=128, stop=(), stop_token_ids=(), temperature=1.0, top_p=1.0, top_k=-1,
-                     min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False)
+    base = GenParams(max_new_tokens=128, n=1, stop=(), stop_token_ids=(), stop_regex=(), temperature=1.0,
+                     top_p=1.0, top_k=-1, min_p=0.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=False)
     return GenParams(**{k: v for k, v in overrides.items() if v is not None}).merged_over(base)
 
 

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import tqdm
 
 from frontend.backends.base import BaseBackend
+from frontend.global_config import global_config
 from frontend.interpreter import StreamExecutor
-from frontend.ir import GenParams
+from frontend.ir import GenParams, program_defaults
 from frontend.state import ProgramState
 
 if TYPE_CHECKING:
     from frontend.api import SglFunction
 
 MIN_SHARED_PREFIX_CHARS = 64  # below this a separate prefill request costs more than it saves
+_MARK = "\x00"  # never in a real prompt: where a traced argument's value starts
 
 
 def resolve_backend(backend: Any) -> BaseBackend:
@@ -56,12 +58,14 @@ def _run_internal(state: ProgramState, program: SglFunction, args: Sequence[Any]
         exe.end()
     if sync:
         exe.sync()
+    if global_config.verbosity >= 2:
+        print(state.text())
 
 
 def run_program(program: SglFunction, backend: BaseBackend, args: Sequence[Any], kwargs: dict[str, Any],
-                default_params: GenParams, stream: bool, sync: bool = False) -> ProgramState:
+                default_params: GenParams, stream: bool, sync: bool = False, use_thread: bool = True) -> ProgramState:
     kwargs = {**program.bind_arguments, **kwargs}
-    state = ProgramState(StreamExecutor(backend, kwargs, default_params, stream=stream))
+    state = ProgramState(StreamExecutor(backend, kwargs, default_params, stream=stream, use_thread=use_thread))
     if stream:
         threading.Thread(target=_run_internal, args=(state, program, args, kwargs, sync), daemon=True).start()
     else:
@@ -70,15 +74,23 @@ def run_program(program: SglFunction, backend: BaseBackend, args: Sequence[Any],
 
 
 def run_program_batch(program: SglFunction, backend: BaseBackend, batch_kwargs: Sequence[dict[str, Any]],
-                      default_params: GenParams, num_threads: int | str, progress_bar: bool) -> list[ProgramState]:
-    """Run one program per kwargs dict on ``num_threads`` threads; results in input order, all finished."""
-    if len(batch_kwargs) > 1:
+                      default_params: GenParams, num_threads: int | str, progress_bar: bool,
+                      generator_style: bool = False) -> list[ProgramState] | Iterator[ProgramState]:
+    """Run one program per kwargs dict on ``num_threads`` threads; results in input order, all finished
+    (with ``generator_style``, an iterator that yields each state once it is finished, in input order)."""
+    if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
         prefix = shared_prefix(program, backend, batch_kwargs, default_params)
         if len(prefix) >= MIN_SHARED_PREFIX_CHARS:
             backend.cache_prefix(prefix)
     if num_threads == "auto":
         num_threads = max(96, multiprocessing.cpu_count() * 16)
     threads = max(1, min(int(num_threads), len(batch_kwargs)))
+    states = _run_batch_iter(program, backend, batch_kwargs, default_params, threads, progress_bar)
+    return states if generator_style else list(states)
+
+
+def _run_batch_iter(program: SglFunction, backend: BaseBackend, batch_kwargs: Sequence[dict[str, Any]],
+                    default_params: GenParams, threads: int, progress_bar: bool) -> Iterator[ProgramState]:
     bar = tqdm.tqdm(total=len(batch_kwargs)) if progress_bar else None
 
     def one(kwargs: dict[str, Any]) -> ProgramState:
@@ -91,13 +103,26 @@ def run_program_batch(program: SglFunction, backend: BaseBackend, batch_kwargs: 
 
     try:
         if threads == 1:
-            return [one(kw) for kw in batch_kwargs]
+            for kw in batch_kwargs:
+                yield one(kw)
+            return
         with ThreadPoolExecutor(threads, thread_name_prefix="sgl-batch") as pool:
             futures = [pool.submit(one, kw) for kw in batch_kwargs]
-            return [f.result() for f in futures]
+            for f in futures:
+                yield f.result()
     finally:
         if bar is not None:
             bar.close()
+
+
+def cache_program(program: SglFunction, backend: BaseBackend) -> dict[str, Any] | None:
+    """Prefill the program's argument-independent head: its text up to the first model call or the first
+    place an argument's value shows (each argument is traced as a marker string)."""
+    markers = {name: f"{_MARK}{name}{_MARK}" for name in program.arg_names if name not in program.bind_arguments}
+    text = trace_prefix(program, backend, markers, program_defaults())
+    cut = text.find(_MARK)
+    prefix = _word_boundary(text[:cut]) if cut != -1 else text
+    return backend.cache_prefix(prefix) if len(prefix) >= MIN_SHARED_PREFIX_CHARS else None
 
 
 # ---------------------------------------------------------------------------- prefix discovery
@@ -145,9 +170,14 @@ def shared_prefix(program: SglFunction, backend: BaseBackend, batch_kwargs: Sequ
     texts = [trace_prefix(program, backend, kw, default_params) for kw in batch_kwargs]
     prefix = _common_prefix(texts)
     if any(len(t) > len(prefix) for t in texts):  # the programs diverge inside a word: back off
-        cut = max(prefix.rfind(c) for c in " \n\t")
-        prefix = prefix[:cut] if cut > 0 else ""
+        prefix = _word_boundary(prefix)
     return prefix
+
+
+def _word_boundary(prefix: str) -> str:
+    """``prefix`` cut back to its last whitespace ("" if it has none)."""
+    cut = max(prefix.rfind(c) for c in " \n\t")
+    return prefix[:cut] if cut > 0 else ""
 
 
 def _common_prefix(texts: Sequence[str]) -> str:

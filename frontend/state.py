@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from frontend.interpreter import StreamExecutor
 from frontend.ir import ConcatenateAndAppend, Expr, ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd, as_expr
+from frontend.stream_meta import merge_increments
 
 
 class ProgramState:
@@ -32,8 +34,9 @@ class ProgramState:
 
     def _role(self, role: str, expr: Expr | str | None) -> Any:
         if expr is not None:
-            self.stream_executor.submit(ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)]))
-            return None
+            role_expr = ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)])
+            self.stream_executor.submit(role_expr)
+            return role_expr
 
         @contextlib.contextmanager
         def scope() -> Iterator[None]:
@@ -60,13 +63,18 @@ class ProgramState:
         yield
         self.stream_executor.submit(VarScopeEnd(name))
 
-    def fork(self, size: int = 1) -> ProgramStateGroup:
-        """``size`` states that continue from this one's text (prefilled once so they all hit the cache)."""
+    def fork(self, size: int = 1, position_ids_offset: Sequence[int] | None = None) -> ProgramStateGroup:
+        """``size`` states that continue from this one's text (prefilled once so they all hit the cache).
+
+        ``position_ids_offset`` is accepted for SGLang compatibility and, as in SGLang, not used: each
+        fork's positions simply continue from the shared prefix.
+        """
         return ProgramStateGroup([ProgramState(e) for e in self.stream_executor.fork(size)], self)
 
     @contextlib.contextmanager
-    def copy(self) -> Iterator[ProgramState]:
-        group = self.fork(1)
+    def copy(self, position_ids_offset: Sequence[int] | None = None) -> Iterator[ProgramState]:
+        """``with s.copy() as c:`` a single fork, joined (its new variables gathered) when the block ends."""
+        group = self.fork(1, position_ids_offset)
         try:
             yield group[0]
         finally:
@@ -104,53 +112,93 @@ class ProgramState:
     def __contains__(self, name: str) -> bool:
         return name in self.stream_executor.variables
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """New text as it is generated (``run(stream=True)``); the whole text at once otherwise.
-
-        With ``var_name``, only that variable's text.
-        """
-        exe = self.stream_executor
-        if not exe.stream:
-            yield self.text() if var_name is None else str(self.get_var(var_name))
+    def text_iter(self, var_name: str | None = None) -> Iterator[Any]:
+        """New text as it is generated (``run(stream=True)``); the whole text (or the variable) at once
+        otherwise. With ``var_name``, only that variable's text."""
+        if not self.stream_executor.stream:
+            yield self.text() if var_name is None else self.get_var(var_name)
             return
-        prev = 0
         if var_name is None:
-            while True:
-                exe.stream_text_event.wait()
-                exe.stream_text_event.clear()
-                finished = exe.is_finished  # read before the text, so a final delta is never missed
-                out = exe.text_[prev:]
-                prev += len(out)
-                if out:
-                    yield out
-                if finished:
-                    return
-        while var_name not in exe.stream_var_event:  # the program has not reached this gen yet
-            if exe.is_finished:
-                return
-            time.sleep(0.005)
-        event, done = exe.stream_var_event[var_name], exe.variable_event[var_name]
+            yield from self._text_chunks()
+            return
+        for text, _ in self._var_chunks(var_name):
+            yield text
+
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """``text_iter`` for asyncio code (each wait runs in the default executor).
+
+        With ``var_name`` and ``return_meta_data=True`` it yields ``(text, meta_info)`` pairs, SGLang's
+        shape: the meta_info's output logprob lists hold that chunk's tokens only, and
+        ``output_token_logprobs_length`` / ``completion_tokens`` count all tokens so far. (Without
+        streaming the one pair is the variable and its whole meta_info.)
+        """
+        loop = asyncio.get_running_loop()
+        if not self.stream_executor.stream:
+            value = await loop.run_in_executor(None, self.text if var_name is None else
+                                               functools.partial(self.get_var, var_name))
+            if var_name is not None and return_meta_data:
+                yield value, self.get_meta_info(var_name)
+            else:
+                yield value
+            return
+        it: Iterator[Any]
+        if var_name is None:
+            it = self._text_chunks()
+        else:
+            it = self._var_chunks(var_name)
+        sentinel: Any = object()
         while True:
-            event.wait()
-            event.clear()
-            finished = done.is_set()
-            out = exe.stream_buffers.get(var_name, "")[prev:]
+            item = await loop.run_in_executor(None, next, it, sentinel)
+            if item is sentinel:
+                return
+            if var_name is None or return_meta_data:
+                yield item
+            else:
+                yield item[0]
+
+    def _text_chunks(self) -> Iterator[str]:
+        exe = self.stream_executor
+        prev = 0
+        while True:
+            exe.stream_text_event.wait()
+            exe.stream_text_event.clear()
+            finished = exe.is_finished  # read before the text, so a final delta is never missed
+            out = exe.text_[prev:]
             prev += len(out)
             if out:
                 yield out
             if finished:
                 return
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
-        """``text_iter`` for asyncio code: each wait runs in the default executor."""
-        loop = asyncio.get_running_loop()
-        it = self.text_iter(var_name)
-        sentinel = object()
-        while True:
-            chunk = await loop.run_in_executor(None, next, it, sentinel)
-            if chunk is sentinel:
+    def _var_chunks(self, var_name: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(new text, meta_info increment) per streamed frame of ``var_name``; a frame without text (a
+        token the detokenizer holds back) is merged into the next one."""
+        exe = self.stream_executor
+        while var_name not in exe.stream_var_event:  # the program has not reached this gen yet
+            if exe.is_finished:
+                yield "", {}  # SGLang's answer for a variable the program never defines
                 return
-            yield str(chunk)
+            time.sleep(0.005)
+        event, done = exe.stream_var_event[var_name], exe.variable_event[var_name]
+        consumed, pending_text, pending_meta = 0, "", []
+        while True:
+            event.wait()
+            event.clear()
+            finished = done.is_set()  # read before the frames, so a final frame is never missed
+            frames = exe.stream_frames.get(var_name, [])
+            new = frames[consumed:]  # one read: the worker may append while we yield
+            consumed += len(new)
+            for text, meta in new:
+                pending_text += text
+                pending_meta.append(meta)
+                if pending_text:
+                    yield pending_text, merge_increments(pending_meta)
+                    pending_text, pending_meta = "", []
+            if finished:
+                if not frames and var_name in exe.variables:  # set without streaming (a var_scope)
+                    yield str(exe.variables[var_name]), exe.meta_info.get(var_name) or {}
+                return
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -190,6 +238,11 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """What ``forks[i] += expr`` ends with: the state, extended in place, is stored back."""
+        if value is not self.states[i]:
+            raise TypeError("a fork's state cannot be replaced; extend it with forks[i] += ...")
 
     def __len__(self) -> int:
         return len(self.states)

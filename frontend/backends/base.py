@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from frontend.interpreter import StreamExecutor
 
 
+GenResult = tuple[str | list[str], dict[str, Any] | list[dict[str, Any]]]
+
+
 class BackendError(RuntimeError):
     """A request the backend rejected or could not serve; ``status`` is the HTTP status when there was one."""
 
@@ -41,8 +44,8 @@ class BaseBackend:
         return self.chat_template
 
     # ------------------------------------------------------------------ prefix caching
-    def cache_prefix(self, prefix: str) -> dict[str, Any] | None:
-        """Prefill ``prefix`` without generating, so later requests that start with it hit the cache.
+    def cache_prefix(self, prefix_str: str) -> dict[str, Any] | None:
+        """Prefill ``prefix_str`` without generating, so later requests that start with it hit the cache.
         Returns the request's ``meta_info`` where there is one; a no-op for backends without a cache."""
         return None
 
@@ -50,12 +53,16 @@ class BaseBackend:
         self.cache_prefix(s.text_)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> GenResult:
+        """(text, meta_info); with ``params.n`` > 1, one text and one meta_info per sample, as lists."""
         raise NotImplementedError
 
     def generate_stream(self, s: StreamExecutor, params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
         """(new text, meta_info so far) pairs; the default generates at once and yields one piece."""
-        yield self.generate(s, params)
+        text, meta = self.generate(s, params)
+        if isinstance(text, list) or isinstance(meta, list):
+            raise ValueError("gen: n > 1 samples cannot be streamed")
+        yield text, meta
 
     def select(self, s: StreamExecutor, choices: list[str], temperature: float,
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:

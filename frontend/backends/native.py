@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from frontend.backends.base import BaseBackend, FeatureNotSupported
+from frontend.backends.base import BaseBackend, FeatureNotSupported, GenResult
 from frontend.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from frontend.ir import GenParams
 
@@ -43,18 +43,20 @@ class NativeBackend(BaseBackend):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ BaseBackend
-    def cache_prefix(self, prefix: str) -> dict[str, Any] | None:
-        if not prefix:
+    def cache_prefix(self, prefix_str: str) -> dict[str, Any] | None:
+        if not prefix_str:
             return None
-        out = self._call({"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+        out = self._call({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
         return dict(out["meta_info"])
 
     @staticmethod
     def request(s: StreamExecutor, params: GenParams) -> dict[str, Any]:
         return {"text": s.text_, "sampling_params": params.to_native(), **params.logprob_fields()}
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> GenResult:
         out = self._call(self.request(s, params))
+        if isinstance(out, list):  # n > 1: one result per sample
+            return [str(o["text"]) for o in out], [dict(o["meta_info"]) for o in out]
         return str(out["text"]), dict(out["meta_info"])
 
     def generate_stream(self, s: StreamExecutor, params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import orjson
 
-from frontend.backends.base import BackendError, BaseBackend, FeatureNotSupported
+from frontend.backends.base import BackendError, BaseBackend, FeatureNotSupported, GenResult
 from frontend.backends.http import error_message, post_sse
 from frontend.chat import ChatTemplate, resolve_chat_template
 from frontend.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
@@ -48,6 +48,9 @@ class TokenUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+    def reset(self) -> None:
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
 
 
 class OpenAI(BaseBackend):
@@ -126,6 +129,10 @@ class OpenAI(BaseBackend):
             body["min_p"] = params.min_p
         if params.regex is not None:
             body["regex"] = params.regex
+        if params.stop_regex_list:
+            body["stop_regex"] = params.stop_regex_list
+        if params.n is not None and params.n != 1:
+            body["n"] = params.n
         if self.is_chat_model:
             self._check_chat_position(s, what)
             if params.json_schema is not None:  # the standard structured-output field of the chat API
@@ -144,6 +151,7 @@ class OpenAI(BaseBackend):
 
     def _unsupported(self, exc: BackendError, params: GenParams) -> BackendError:
         used = [f for f in ("regex", "json_schema") if getattr(params, f) is not None]
+        used += ["stop_regex"] if params.stop_regex_list else []
         if exc.status == 400 and used:
             return FeatureNotSupported(f"{'/'.join(used)}: the server at {self.base_url} rejected the request: {exc}",
                                        exc.status)
@@ -164,15 +172,19 @@ class OpenAI(BaseBackend):
     def get_model_name(self) -> str:
         return self.model_name
 
-    def generate(self, s: StreamExecutor, params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, params: GenParams) -> GenResult:
         path, body = self._body(s, params, "gen")
         try:
             reply = self._request("POST", path, body)
         except BackendError as exc:
             raise self._unsupported(exc, params) from exc
-        choice = reply["choices"][0]
-        text = (choice["message"].get("content") or "") if self.is_chat_model else choice.get("text", "")
-        return str(text), self._meta(reply, choice.get("finish_reason"))
+        choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
+        texts = [str((c["message"].get("content") or "") if self.is_chat_model else c.get("text", ""))
+                 for c in choices]
+        meta = self._meta(reply, choices[0].get("finish_reason"))
+        if "n" in body:  # one text per sample; the usage is the whole request's
+            return texts, [{**meta, "finish_reason": c.get("finish_reason")} for c in choices]
+        return texts[0], meta
 
     def generate_stream(self, s: StreamExecutor, params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
         path, body = self._body(s, params, "gen")

@@ -87,8 +87,11 @@ class Runtime:
     """
 
     def __init__(self, model: str = "default", port: int | None = None, launch_timeout: float = 300.0,
-                 log_level: str = "error", **server_args: Any):
+                 log_level: str = "error", model_path: str | None = None, **server_args: Any):
+        """``model_path`` is SGLang's name for ``model``."""
         import socket
+
+        model = model_path or model
 
         if port is None:
             with socket.socket() as sock:
