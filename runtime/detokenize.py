@@ -5,10 +5,11 @@ after the window's already-committed text, so the cost per step does not grow wi
 whose text ends in U+FFFD holds an incomplete multi-byte character (a UTF-8 sequence split across
 tokens) and is not committed until the next token completes it.
 
-While streaming, text that could be the beginning of a stop string is held back, so the cumulative text
-a client sees never has to shrink. When the request finishes, the final text is one full decode of the
-output (minus a matched stop token, trimmed at a matched stop string), and it always extends what was
-streamed.
+While streaming, text that could be the beginning of a stop string, or of a match of a stop regex, is held
+back, so the cumulative text a client sees never has to shrink and never runs past a stop. When the request
+finishes, the final text is one full decode of the output (minus a matched stop token, trimmed at a matched
+stop string or regex match; with ``no_stop_trim``, kept through the end of the match as SGLang does), and
+it always extends what was streamed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime import stop_regex
 from runtime.messages import FinishReason
 from runtime.sampling_params import SamplingParams
 
@@ -29,6 +31,7 @@ class DecodeStream:
     surr: int = 0
     read: int = 0
     sent: int = 0  # characters of text already handed out
+    released: int = 0  # characters of text ``add`` has returned (never shrinks)
     final: bool = False
 
     def _decode(self, ids: list[int]) -> str:
@@ -50,10 +53,12 @@ class DecodeStream:
                 self.text += window[len(prefix) :]
                 self.surr = self.read
                 self.read = len(self.ids)
-        return self.text[: self._safe_len()]
+        self.released = max(self.released, self._safe_len())
+        return self.text[: self.released]
 
     def _safe_len(self) -> int:
-        """Length of the committed text that cannot turn out to be the start of a stop string."""
+        """Length of the committed text that cannot turn out to be the start of a stop string or of a
+        stop regex match."""
         text = self.text
         hold = 0
         for s in self.sampling.stop:
@@ -61,7 +66,10 @@ class DecodeStream:
                 if text.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        return len(text) - hold
+        safe = len(text) - hold
+        if self.sampling.stop_regex:
+            safe = min(safe, stop_regex.hold_from(self.sampling.stop_regex, text, self.released))
+        return safe
 
     def _final_text(self, finished: FinishReason) -> str:
         ids = self.ids
@@ -70,11 +78,21 @@ class DecodeStream:
         if matched_token and not sp.no_stop_trim and ids and ids[-1] == finished.matched:
             ids = ids[:-1]
         text = self._decode(ids)
-        if finished.type == "stop" and isinstance(finished.matched, str) and not sp.no_stop_trim:
-            cut = text.find(finished.matched)
-            if cut >= 0:
-                text = text[:cut]
+        if finished.type == "stop" and isinstance(finished.matched, str):
+            span = self._stop_span(text, finished.matched)
+            if span is not None:
+                text = text[: span[1]] if sp.no_stop_trim else text[: span[0]]
         return text
+
+    def _stop_span(self, text: str, matched: str) -> tuple[int, int] | None:
+        """Where the matched stop string (or stop regex, which ``matched`` names) is in the text."""
+        if matched in self.sampling.stop:
+            cut = text.find(matched)
+            if cut >= 0:
+                return cut, cut + len(matched)
+        if matched in self.sampling.stop_regex:
+            return stop_regex.match_of(matched, text)
+        return None
 
     def delta(self, cumulative: str) -> str:
         """The part of ``cumulative`` not handed out yet (for OpenAI-style streaming deltas)."""

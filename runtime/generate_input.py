@@ -4,6 +4,9 @@ A request may carry one prompt or a batch (``text`` or ``input_ids``), per-promp
 ``sampling_params`` / ``rid`` / logprob options, and ``n`` samples per prompt. ``expand`` returns one
 ``SingleRequest`` per sequence to generate, in output order (prompt-major, then sample), so the Engine
 and the HTTP layer share the same rules and error messages.
+
+``reject_unsupported`` covers the rest of SGLang's GenerateReqInput: fields of features this server does
+not have are accepted at their defaults (what SGLang's clients send) and refused by name otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +28,69 @@ class SingleRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    priority: int = 0  # higher runs first when the server schedules by priority
+    timeout: float | None = None  # seconds from arrival; past it the request is aborted and its KV freed
+
+
+_MULTIMODAL = "this server serves text-only models"
+_DISAGG = "disaggregated prefill and decode is not supported"
+_DATA_PARALLEL = "this server has a single data-parallel rank (0)"
+# Top-level GenerateReqInput fields that ask for a feature absent here, with the reason given in the 400.
+# Fields that only label or route a request (log_metrics, no_logs, custom_labels, routing_key,
+# conversation_id, session_id, external_trace_header, received_time) are accepted and ignored, as SGLang
+# ignores fields it does not know.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+                     "use_audio_in_video", "video_config", "modalities", "max_dynamic_patch",
+                     "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch", "images_config",
+                     "mm_processor_kwargs", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls"),
+                    _MULTIMODAL),
+    "input_embeds": "input embeddings are not supported; send text or input_ids",
+    "positional_embed_overrides": "embedding overrides are not supported",
+    "lora_path": "LoRA adapters are not supported",
+    "lora_id": "LoRA adapters are not supported",
+    "custom_logit_processor": "custom logit processors are not supported",
+    "token_ids_logprob": "logprobs of chosen token ids are not supported; use top_logprobs_num",
+    "return_sampling_mask": "sampling masks are not returned by this server",
+    "sampling_logprobs_mode": "sampling masks are not returned by this server",
+    "return_flat_raw_top_logprobs": "flat top-logprob arrays are not supported",
+    "return_flat_raw_output_top_logprobs": "flat top-logprob arrays are not supported",
+    "return_flat_raw_top_logprobs_b64": "flat top-logprob arrays are not supported",
+    "return_hidden_states": "hidden states are not returned by this server",
+    "return_routed_experts": "this server serves dense models",
+    "routed_experts_start_len": "this server serves dense models",
+    "return_indexer_topk": "indexer top-k is not returned by this server",
+    "return_entropy": "entropy is not returned by this server",
+    "return_bytes": "this server generates text only",
+    "session_params": "sessions are not supported; the radix cache reuses shared prefixes by itself",
+    "background": "background requests are not supported",
+    "require_reasoning": "reasoning control is not supported",
+    "max_thinking_tokens": "thinking budgets are not supported",
+    "multi_item_delimiter_indices": "multi-item scoring is not supported",
+    "token_indices_to_pool": "pooled scoring is not supported",
+    "kv_hints": "KV hints are not supported",
+    "watermark": "watermarking is not supported",
+    **dict.fromkeys(("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                     "decode_tp_size"), _DISAGG),
+    **dict.fromkeys(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"), _DATA_PARALLEL),
+}
+_ZERO_IS_DEFAULT = {"routed_experts_start_len", "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"}
+
+
+def _is_default(name: str, value: Any) -> bool:
+    if value is None or value is False or value == "" or value == {}:
+        return True
+    if name in _ZERO_IS_DEFAULT and value == 0 and not isinstance(value, bool):
+        return True
+    # a batch may send one default per prompt, e.g. "lora_path": [null, null]
+    return isinstance(value, list) and all(_is_default(name, v) for v in value)
+
+
+def reject_unsupported(body: dict[str, Any]) -> None:
+    """Raises ValueError naming the first field that asks for a feature this server does not have."""
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if name in body and not _is_default(name, body[name]):
+            raise ValueError(f"{name}: {why}")
 
 
 def _pick(value: Any, i: int, n: int, name: str) -> Any:
@@ -44,7 +110,10 @@ def expand(
     logprob_start_len: int | list[int] | None = None,
     top_logprobs_num: int | list[int] | None = None,
     cache_salt: str | list[str] | None = None,
+    priority: int | None = None,
+    timeout: float | None = None,
     max_n: int = 256,
+    extra_key: str | list[str] | None = None,
 ) -> tuple[bool, list[SingleRequest]]:
     """Returns (is_batch, requests)."""
     if (text is None) == (input_ids is None):
@@ -68,6 +137,10 @@ def expand(
             raise ValueError("input_ids: must be a non-empty list of token ids or a list of such lists")
     if isinstance(rid, list) and not batch:
         raise ValueError("rid: a single prompt takes a single rid")
+    if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+        raise ValueError("priority: must be an integer")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError("timeout: must be a number of seconds > 0")
     n_prompts = len(prompts)
     out: list[SingleRequest] = []
     for i, prompt in enumerate(prompts):
@@ -88,6 +161,14 @@ def expand(
         if not isinstance(top, int) or not 0 <= top <= 20:
             raise ValueError("top_logprobs_num: must be an integer in [0, 20]")
         salt = _pick(cache_salt, i, n_prompts, "cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt: must be a string")
+        key = _pick(extra_key, i, n_prompts, "extra_key")
+        if key is not None:
+            if not isinstance(key, str):
+                raise ValueError("extra_key: must be a string")
+            # SGLang's extra_key isolates cache entries like cache_salt does; both apply when both are given
+            salt = f"{salt or ''}\x00extra_key:{key}"
         for j in range(sp.n):
             child = replace(sp, n=1, seed=sp.seed + j if sp.seed is not None else None)
             child_rid = base_rid if sp.n == 1 else f"{base_rid}-{j}"
@@ -100,6 +181,8 @@ def expand(
                 logprob_start_len=start,
                 top_logprobs_num=top,
                 cache_salt=salt,
+                priority=priority or 0,
+                timeout=float(timeout) if timeout is not None else None,
             ))
     return batch or len(out) > 1, out
 

@@ -2,6 +2,10 @@
 
 Fed with ``ReqOutput`` deltas (token ids, logprobs, finish) plus the cumulative text, it produces the
 ``/generate`` response object (``text``, ``output_ids``, ``meta_info``); the Engine returns the same dicts.
+
+A streamed frame (``output_from`` > 0) carries only the output logprobs not sent before, with
+``output_token_logprobs_length`` counting all of them: what SGLang's frontend merges (its
+``text_async_iter(..., return_meta_data=True)``), while ``text`` and ``output_ids`` stay cumulative.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ class RequestState:
         self.output_top.extend(out.output_top_logprobs)
 
     def meta_info(self, return_logprob: bool = False, top_logprobs_num: int = 0,
-                  token_text: Any = None) -> dict[str, Any]:
-        """``token_text(id) -> str`` adds each token's text to logprob entries (return_text_in_logprobs)."""
+                  token_text: Any = None, output_from: int = 0) -> dict[str, Any]:
+        """``token_text(id) -> str`` adds each token's text to logprob entries (return_text_in_logprobs);
+        output logprobs start at output token ``output_from`` (a stream's frames send each once)."""
 
         def entry(lp: float | None, tid: int) -> list[Any]:
             return [lp, tid, token_text(tid) if token_text else None]
@@ -60,17 +65,19 @@ class RequestState:
         }
         if return_logprob:
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in self.input_logprobs]
-            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in self.output_logprobs]
+            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in self.output_logprobs[output_from:]]
+            meta["output_token_logprobs_length"] = len(self.output_logprobs)
             if top_logprobs_num:
                 meta["input_top_logprobs"] = [
                     [entry(lp, t) for lp, t in top] if top is not None else None for top in self.input_top]
-                meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top] for top in self.output_top]
+                meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
+                                               for top in self.output_top[output_from:]]
         return meta
 
     def to_native(self, return_logprob: bool = False, top_logprobs_num: int = 0,
-                  token_text: Any = None) -> dict[str, Any]:
+                  token_text: Any = None, output_from: int = 0) -> dict[str, Any]:
         return {
             "text": self.text,
             "output_ids": list(self.output_ids),
-            "meta_info": self.meta_info(return_logprob, top_logprobs_num, token_text),
+            "meta_info": self.meta_info(return_logprob, top_logprobs_num, token_text, output_from),
         }

@@ -1,7 +1,10 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (SGLang's field names).
 
-``from_dict`` accepts exactly SGLang's ``sampling_params`` object; ``validate`` raises ValueError naming
+``from_dict`` accepts exactly SGLang's ``sampling_params`` object (every field of the current SGLang
+release; ``null`` means the default, as SGLang's clients send it); ``validate`` raises ValueError naming
 the offending field, so the HTTP layer can answer 400 and the Engine raises before anything is queued.
+Fields of features this server does not have (beam search, watermarking, ``choice``) are accepted at their
+defaults and refused with a 400 naming them otherwise; ``custom_params`` is accepted and never read.
 """
 
 from __future__ import annotations
@@ -9,8 +12,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from runtime import stop_regex as stop_regex_mod
+
 GREEDY_EPS = 1e-6
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+MAX_STOP_STRINGS = 32  # SGLang's limit
+TOP_K_ALL = 1 << 30  # SGLang's spelling of "no top-k cut", sent by its clients as the default
+
+
+def _watermark_off(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and not value.get("enabled") and not value.get("key"))
+
+
+# SGLang fields of features this server does not have: (is the value the "off" default?, why refused).
+ABSENT_FEATURES: dict[str, tuple[Any, str]] = {
+    "beam_width": (lambda v: v is None or (v == 1 and not isinstance(v, bool)), "beam search is not supported"),
+    "watermark": (_watermark_off, "watermarking is not supported"),
+    "choice": (lambda v: v is None or v == [], "choice-constrained decoding is not supported; use regex"),
+}
 
 
 @dataclass
@@ -25,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # stop at the first non-empty match (runtime/stop_regex.py)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -37,6 +57,10 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # Native SSE streams send a frame per this many new tokens (the final frame always); None: every step.
+    stream_interval: int | None = None
+    # Accepted so SGLang clients that set it work; nothing here reads it (no custom logit processors).
+    custom_params: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -49,12 +73,21 @@ class SamplingParams:
                 d[new] = d.pop(old)
             else:
                 d.pop(old, None)
+        for name, (is_off, why) in ABSENT_FEATURES.items():
+            if name in d and not is_off(d.pop(name)):
+                raise ValueError(f"{name}: {why}")
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"sampling_params: unknown field(s) {unknown}")
         d = {k: v for k, v in d.items() if v is not None}
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
+        for name in ("stop", "stop_regex"):
+            if isinstance(d.get(name), str):
+                d[name] = [d[name]]
+        for kind in GRAMMAR_KINDS:  # SGLang: an empty grammar means "unset", not "constrain to nothing"
+            if d.get(kind) == "":
+                del d[kind]
+        if isinstance(d.get("top_k"), int) and d["top_k"] >= TOP_K_ALL:
+            d["top_k"] = -1
         if isinstance(d.get("stop_token_ids"), int):
             d["stop_token_ids"] = [d["stop_token_ids"]]
         for kind in ("json_schema", "structural_tag"):
@@ -98,7 +131,13 @@ class SamplingParams:
              f"must be in (0, 2], got {self.repetition_penalty!r}")
         need(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be a non-empty string or a list of non-empty strings")
-        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        need(isinstance(self.stop_regex, list), "stop_regex", "must be a string or a list of strings")
+        stop_regex_mod.check_patterns(self.stop_regex)
+        need(self.stream_interval is None or (is_int(self.stream_interval) and self.stream_interval >= 1),
+             "stream_interval", f"must be an integer >= 1, got {self.stream_interval!r}")
+        need(self.custom_params is None or isinstance(self.custom_params, dict), "custom_params",
+             "must be an object")
         need(isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "must be a list of token ids")
         need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")

@@ -1,4 +1,9 @@
-"""SGLang-native endpoints: /generate and the server's control and health endpoints."""
+"""SGLang-native endpoints: /generate and the server's control and health endpoints.
+
+Streams follow what SGLang's frontend (``sglang.lang``'s RuntimeEndpoint) reads: each frame's ``text`` and
+``output_ids`` are cumulative, its output logprobs are the ones not sent before (with
+``output_token_logprobs_length`` the running count), and ``stream_interval`` thins the frames.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from runtime.generate_input import SingleRequest, expand
+from runtime.generate_input import SingleRequest, expand, reject_unsupported
 from runtime.http.errors import APIError, error_response, parse_json
 from runtime.http.requests import (
     DONE,
@@ -53,16 +58,20 @@ async def generate(request: Request) -> Response:
         raise APIError(400, "the request body must be a JSON object")
     stream = _flag(body, "stream")
     text_in_lp = _flag(body, "return_text_in_logprobs")
+    prompt_ids = _flag(body, "return_prompt_token_ids")
+    reject_unsupported(body)
     is_batch, singles = expand(
         text=body.get("text"), input_ids=body.get("input_ids"), sampling_params=body.get("sampling_params"),
         rid=body.get("rid"), return_logprob=body.get("return_logprob"),
         logprob_start_len=body.get("logprob_start_len"), top_logprobs_num=body.get("top_logprobs_num"),
-        cache_salt=body.get("cache_salt"), max_n=tm.args.max_running_requests,
+        cache_salt=body.get("cache_salt"), priority=body.get("priority"), timeout=body.get("timeout"),
+        max_n=tm.args.max_running_requests, extra_key=body.get("extra_key"),
     )
     handles = await submit_all(tm, singles, stream)
     token_text = (lambda t: tm.tokenizer.decode([t])) if text_in_lp else None
     if stream:
-        return StreamingResponse(_stream(tm, handles, is_batch, token_text), media_type="text/event-stream")
+        return StreamingResponse(_stream(tm, handles, is_batch, token_text, prompt_ids),
+                                 media_type="text/event-stream")
     try:
         states = await wait_all(tm, request, handles)
     except ClientDisconnected:
@@ -73,15 +82,28 @@ async def generate(request: Request) -> Response:
             return error_response(fin.status_code, fin.message or "request rejected")
     results = [st.to_native(h.single.return_logprob, h.single.top_logprobs_num, token_text)
                for st, h in zip(states, handles)]
+    if prompt_ids:
+        for result, h in zip(results, handles):
+            result["prompt_token_ids"] = list(h.single.input_ids or [])
     return json_response(results if is_batch else results[0])
 
 
 async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool,
-                  token_text: Any) -> AsyncIterator[bytes]:
+                  token_text: Any, prompt_ids: bool) -> AsyncIterator[bytes]:
+    sent_logprobs = [0] * len(handles)  # output logprobs already sent, per request
+    sent_tokens = [-1] * len(handles)  # completion tokens at the last frame (-1: no frame yet)
     try:
         async for i, state in merged_updates(handles):
             s = handles[i].single
-            frame = state.to_native(s.return_logprob, s.top_logprobs_num, token_text)
+            interval = s.sampling.stream_interval
+            if (interval is not None and state.finished is None and sent_tokens[i] >= 1
+                    and state.completion_tokens - sent_tokens[i] < interval):
+                continue  # the first frame goes out at once, then one per ``interval`` tokens
+            frame = state.to_native(s.return_logprob, s.top_logprobs_num, token_text, sent_logprobs[i])
+            sent_logprobs[i] = len(state.output_logprobs)
+            sent_tokens[i] = state.completion_tokens
+            if prompt_ids:
+                frame["prompt_token_ids"] = list(s.input_ids or [])
             if is_batch:
                 frame["index"] = i
             yield sse(frame)
@@ -91,6 +113,7 @@ async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def get_model_info(request: Request) -> Response:
     tm = tm_of(request)
     info = tm.model_info
@@ -107,6 +130,7 @@ async def get_model_info(request: Request) -> Response:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def get_server_info(request: Request) -> Response:
     tm = tm_of(request)
     reply = await tm.control("server_info")

@@ -1,18 +1,23 @@
-"""When a request is done: stop tokens, end of sequence, length limits, stop strings, grammar end.
+"""When a request is done: stop tokens, end of sequence, length limits, stop strings, stop regexes,
+grammar end.
 
 Stop strings are checked on the decoded tail of the output (just long enough to hold the longest stop
-string), so a string split across several tokens is still caught; the text itself is trimmed later by
-the detokenizer.
+string), so a string split across several tokens is still caught; stop regexes likewise, on a tail as long
+as the longest text a pattern can match, or on the whole output for patterns with no such bound
+(``runtime/stop_regex.py``). The text itself is trimmed later by the detokenizer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from runtime import stop_regex
 from runtime.messages import FinishReason
 from runtime.scheduler.req import Req
 
 TAIL_SLACK_TOKENS = 4
+# A character can take several byte-level tokens (a UTF-8 sequence split across tokens).
+TOKENS_PER_CHAR = 2
 
 
 class StopChecker:
@@ -40,4 +45,18 @@ class StopChecker:
             for s in sp.stop:
                 if s in tail:
                     return FinishReason("stop", matched=s)
+        if sp.stop_regex and may_stop:
+            return self._check_regex(req)
         return None
+
+    def _check_regex(self, req: Req) -> FinishReason | None:
+        sp = req.sampling
+        bounds = [stop_regex.tail_chars(p) for p in sp.stop_regex]
+        if any(b is None for b in bounds):
+            ids = req.output_ids  # an unbounded pattern: its match may begin anywhere in the output
+        else:
+            longest = max(b for b in bounds if b is not None)
+            ids = req.output_ids[-(longest * TOKENS_PER_CHAR + TAIL_SLACK_TOKENS) :]
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        found = stop_regex.first_match(sp.stop_regex, text)
+        return FinishReason("stop", matched=found[0]) if found else None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from runtime import stop_regex
+from runtime.detokenize import DecodeStream
 from runtime.executor.sampler import apply_penalties, restrict_top_k_top_p
+from runtime.messages import FinishReason
 from runtime.sampling_params import SamplingParams
 from tests.oracle import WITH_TOP2, Greedy, assert_greedy_agrees
 
@@ -167,6 +171,16 @@ def test_prompt_logprobs_from_a_start_over_a_cached_prefix(smol_engine):
         ({"json_schema": "{}", "regex": "a"}, "regex"),
         ({"banana": 1}, "banana"),
         ({"max_new_tokens": 10_000}, "max_new_tokens"),
+        ({"stop_regex": "(unclosed"}, "stop_regex"),
+        ({"stop_regex": [""]}, "stop_regex"),
+        ({"stop_regex": ["x"] * 33}, "stop_regex"),
+        ({"stop_regex": "a" * 257}, "stop_regex"),
+        ({"stop_regex": 7}, "stop_regex"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"custom_params": [1]}, "custom_params"),
+        ({"beam_width": 4}, "beam_width"),
+        ({"watermark": {"enabled": True}}, "watermark"),
+        ({"choice": ["yes", "no"]}, "choice"),
     ],
 )
 def test_invalid_sampling_values_raise_naming_the_field(tiny_engine, params, field):
@@ -201,3 +215,84 @@ def test_top_p_keeps_the_nucleus():
     q = torch.tensor([0.1, 0.4, 0.2, 0.3])
     restrict_top_k_top_p(q, top_k=2, top_p=1.0)
     assert torch.equal(q > 0, torch.tensor([False, True, False, True]))
+
+
+# ---------------------------------------------------------------------- SGLang's sampling_params fields
+# Every API field of SGLang's SamplingParams (0.5.23) at the value its clients send when the caller set nothing.
+SGLANG_DEFAULTS = {
+    "max_new_tokens": 128, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 1.0, "top_p": 1.0,
+    "top_k": 1 << 30, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "n": 1, "beam_width": None, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "ignore_eos": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "no_stop_trim": False, "stream_interval": None, "logit_bias": None,
+    "sampling_seed": None, "custom_params": None, "watermark": None, "choice": [],
+}
+
+
+def test_every_sglang_field_at_its_default_is_accepted():
+    sp = SamplingParams.from_dict(SGLANG_DEFAULTS)
+    assert sp == SamplingParams()  # top_k 1 << 30 is SGLang's "no cut", the same as -1
+    nulls = SamplingParams.from_dict(dict.fromkeys(SGLANG_DEFAULTS))  # null means "the default"
+    assert nulls == SamplingParams()
+    assert SamplingParams.from_dict({"beam_width": 1, "watermark": {"enabled": False}, "regex": ""}) == SamplingParams()
+
+
+def test_sglang_fields_with_meaning():
+    sp = SamplingParams.from_dict({"stop_regex": r"\d+:", "sampling_seed": 7, "stream_interval": 3,
+                                   "custom_params": {"anything": [1, "x"]}})
+    assert sp.stop_regex == [r"\d+:"] and sp.seed == 7 and sp.stream_interval == 3
+    assert sp.custom_params == {"anything": [1, "x"]}  # accepted, never read
+
+
+def test_stop_regex_tail_bounds():
+    assert stop_regex.tail_chars("answer") == 6
+    assert stop_regex.tail_chars(r"(ab|cde){2}\.") == 7
+    assert stop_regex.tail_chars(r"[a-z]{3,5}") == 5
+    # unbounded, or dependent on the text before a window: the scheduler decodes the whole output
+    for pattern in (r"\d+:", r"^x", r"x\b", r"(?<=: )\d", r"(a)\1"):
+        assert stop_regex.tail_chars(pattern) is None, pattern
+    assert stop_regex.first_match([r"a*", r"b+"], "xxbbaa") == ("b+", 2, 4)  # empty matches never stop
+
+
+@pytest.mark.parametrize("pattern", [r"\d+:", r"answer\s+is", r"(?<=: )\d", "is: 2"])
+def test_streamed_text_never_passes_a_stop_regex(smol_dir, pattern):
+    """Feed a known output token by token: every text the stream releases stops before the match, and the
+    final text is cut at it (or kept through it with no_stop_trim)."""
+    from runtime.models.loader import load_tokenizer
+
+    tok = load_tokenizer(smol_dir)
+    full = " Paris.\n\nThe answer is: 2018-01-22 12:12:53."
+    ids = tok(full, add_special_tokens=False).input_ids
+    m = re.search(pattern, full)
+    assert m is not None
+    for keep in (False, True):
+        stream = DecodeStream(tok, SamplingParams(stop_regex=[pattern], no_stop_trim=keep))
+        released = []
+        for k, t in enumerate(ids):
+            # the scheduler's check: a match anywhere in the output so far
+            hit = stop_regex.first_match([pattern], tok.decode(ids[: k + 1]))
+            done = FinishReason("stop", matched=pattern) if hit else None
+            text = stream.add([t], done)
+            released.append(text)
+            if done is not None:
+                break
+        assert all(len(t) <= m.start() for t in released[:-1]), released
+        assert all(b.startswith(a) for a, b in zip(released, released[1:]))
+        assert released[-1] == (full[: m.end()] if keep else full[: m.start()])
+        assert len(released[-2]) >= m.start() - 2  # text before the match is not held back for long
+
+
+def test_stop_regex_end_to_end(smol_engine):
+    prompt = "The capital of France is"
+    params = {"max_new_tokens": 40, "temperature": 0}
+    base = smol_engine.generate(prompt, params)["text"]
+    for pattern in (r"answer\s+is", r"\w+ is:"):  # bounded (a tail is decoded), unbounded (all of it)
+        m = re.search(pattern, base)
+        assert m is not None, f"the greedy output changed: {base!r}"
+        out = smol_engine.generate(prompt, dict(params, stop_regex=pattern))
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+        assert out["text"] == base[: m.start()]
+        frames = [f["text"] for f in smol_engine.generate(prompt, dict(params, stop_regex=[pattern]), stream=True)]
+        assert all(b.startswith(a) for a, b in zip(frames, frames[1:])) and frames[-1] == out["text"]
+        kept = smol_engine.generate(prompt, dict(params, stop_regex=pattern, no_stop_trim=True))
+        assert kept["text"] == base[: m.end()]
