@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from runtime.http import native, openai_api
+from runtime.http import native, openai_api, responses
 from runtime.http.errors import install_error_handlers
 from runtime.http.metrics import ServerMetrics
 from runtime.tokenizer_manager import TokenizerManager
@@ -44,6 +44,7 @@ def create_app(tm: TokenizerManager, served_model_name: str,
     install_error_handlers(app)
     app.include_router(native.router)
     app.include_router(openai_api.router)
+    app.include_router(responses.router)
     return app
 
 
