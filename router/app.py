@@ -22,6 +22,7 @@ from router.config import RouterArgs
 from router.errors import RouterError, error_response
 from router.request_view import CHAT, COMPLETIONS, GENERATE, RequestView
 from router.service import RouterService
+from runtime.http.auth import UNAUTHORIZED, ApiKeyMiddleware
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -56,6 +57,9 @@ def create_app(args: RouterArgs) -> FastAPI:
 
     app = FastAPI(title="radixserve router", version=VERSION, lifespan=lifespan)
     app.state.service = service
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key,
+                           reject=lambda: error_response(401, UNAUTHORIZED, "invalid_api_key"))
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> Response:
@@ -65,7 +69,9 @@ def create_app(args: RouterArgs) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 POLICIES = ("cache_aware", "exact", "round_robin", "shortest_queue", "power_of_two")
 # Fields that only make sense for a standalone router (``serve --dp`` sets them itself).
-STANDALONE_ONLY = ("worker_urls", "kv_events_endpoints", "host", "port")
+API_KEY_ENV = "RADIXSERVE_API_KEY"
+STANDALONE_ONLY = ("worker_urls", "kv_events_endpoints", "host", "port", "api_key")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -72,6 +74,10 @@ class RouterArgs:
     health_failure_threshold: int = _opt(3, "Consecutive failed checks that take a healthy worker out (a refused "
                                          "or reset request connection takes it out at once).")
     health_success_threshold: int = _opt(2, "Consecutive passed checks that bring an unhealthy worker back.")
+    # ---------------------------------------------------------------- security
+    api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on every endpoint but /health (401 "
+                               "otherwise) and send the same key to the workers; also read from the "
+                               "RADIXSERVE_API_KEY environment variable.")
 
     def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -128,4 +134,6 @@ def router_args_from_namespace(ns: argparse.Namespace, prefix: str = "", **overr
         if hasattr(ns, key):
             values[f.name] = getattr(ns, key)
     values.update(overrides)
+    if not values.get("api_key"):
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
     return RouterArgs(**values)

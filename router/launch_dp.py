@@ -27,13 +27,14 @@ from typing import Any
 
 import httpx
 
-from router.config import RouterArgs
+from router.config import API_KEY_ENV, RouterArgs
 from runtime.config import ServerArgs, default_num_threads
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT = 900.0
 # Flags the launcher sets per worker.
-PER_WORKER = ("model", "host", "port", "kv_events_port", "served_model_name", "num_threads")
+# api_key reaches the workers through the environment, never on a command line other users can read
+PER_WORKER = ("model", "host", "port", "kv_events_port", "served_model_name", "num_threads", "api_key")
 
 
 def worker_argv(args: ServerArgs, *, model: str, port: int, served: str, num_threads: int | None,
@@ -69,8 +70,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def _gpu_env(args: ServerArgs, dp: int, i: int) -> dict[str, str]:
+def _worker_env(args: ServerArgs, dp: int, i: int) -> dict[str, str]:
     env = dict(os.environ)
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key
     if args.device == "cpu":
         return env
     try:
@@ -136,6 +139,8 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
         logger.error("dp: must be >= 1, got %d", dp)
         return 2
     router_args = router_args or RouterArgs(host=server_args.host, port=server_args.port)
+    api_key = server_args.api_key or os.environ.get(API_KEY_ENV) or None
+    server_args = dataclasses.replace(server_args, api_key=api_key)
     served = served_name(server_args, server_args.model)
     try:
         model = str(resolve_model_path(server_args.model))
@@ -159,7 +164,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
                 argv = worker_argv(server_args, model=model, port=base + 1 + i, served=served,
                                    num_threads=threads, kv_events_port=events[i] if exact else None)
                 logger.info("starting worker %d/%d on %s", i + 1, dp, urls[i])
-                procs.append(subprocess.Popen(argv, env=_gpu_env(server_args, dp, i), start_new_session=True,
+                procs.append(subprocess.Popen(argv, env=_worker_env(server_args, dp, i), start_new_session=True,
                                               preexec_fn=_die_with_parent))
             _wait_healthy(procs, urls, start_timeout)
         except (RuntimeError, OSError) as exc:
@@ -172,7 +177,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
             for s, h in old.items():
                 signal.signal(s, h)  # uvicorn installs its own handlers for the router
         router_args = router_args.copy(
-            worker_urls=urls, kv_events_endpoints=[f"tcp://127.0.0.1:{p}" for p in events])
+            worker_urls=urls, kv_events_endpoints=[f"tcp://127.0.0.1:{p}" for p in events], api_key=api_key)
         logger.info("%d workers ready; router on %s:%d (policy %s)", dp, router_args.host, router_args.port,
                     router_args.policy)
         return serve_router(router_args)

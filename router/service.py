@@ -24,6 +24,7 @@ from router.policies import make_policy
 from router.proxy import Proxy
 from router.tokens import RequestTokenizer
 from router.workers import SlotGate, Worker, WorkerRegistry
+from runtime.http.auth import bearer
 
 logger = logging.getLogger(__name__)
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=30)
@@ -54,6 +55,9 @@ class RouterService:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0),
             timeout=aiohttp.ClientTimeout(total=None, connect=self.args.connect_timeout),
             auto_decompress=False,
+            # the router's own calls (health, info, fan-out) carry the key; proxied requests carry the
+            # client's, which the router already checked is the same
+            headers=bearer(self.args.api_key) if self.args.api_key else None,
         )
         self.health = HealthChecker(self.registry, self.session, self.args.health_check_interval,
                                     self.args.health_check_timeout)

@@ -101,6 +101,25 @@ class ServerArgs:
         "where the scheduler and the model share the same cores.")
     num_threads: int | None = _opt(None, "torch threads of the model worker on CPU (default: all cores).")
     random_seed: int = _opt(0, "Seed for requests that give none (each request still gets its own stream).")
+    # ---------------------------------------------------------------- protection
+    max_queued_requests: int | None = _opt(
+        None, "Most requests waiting for admission; past it new requests get 429 with a Retry-After header "
+        "instead of joining a growing queue (default: unbounded).")
+    request_timeout: float | None = _opt(
+        None, "Seconds a request may take from arrival to its last token; past it the request is aborted, its KV "
+        "freed, and the client gets a 408 error (or, mid-stream, a final chunk with finish reason abort). A "
+        "request's own 'timeout' field overrides it (default: no limit).")
+    enable_priority_scheduling: bool = _opt(
+        False, "Admit waiting requests by their 'priority' field first (higher value first unless "
+        "--schedule-low-priority-values-first), then by --schedule-policy.")
+    schedule_low_priority_values_first: bool = _opt(
+        False, "With --enable-priority-scheduling, a lower 'priority' value runs first.")
+    api_key: str | None = _opt(
+        None, "Require 'Authorization: Bearer KEY' on every endpoint but /health (401 otherwise); also read from "
+        "the RADIXSERVE_API_KEY environment variable.")
+    watchdog_timeout: float = _opt(
+        10.0, "Seconds the scheduler may go without progress while requests are pending before the server "
+        "declares it hung: pending and new requests get 503 and the server exits with status 1.")
     kv_events_port: int | None = _opt(
         None, "Publish radix-cache insert/evict events on this TCP port (ZMQ PUB, JSON) so a router in exact "
         "mode can mirror the cache; each new subscriber first receives a snapshot of the whole cache.")
@@ -129,6 +148,8 @@ class ServerArgs:
             args.chunked_prefill_size = 8192 if args.device == "cuda" else 1024
         if args.mem_fraction_static is None:
             args.mem_fraction_static = 0.85 if args.device == "cuda" else 0.2
+        if args.api_key is None:
+            args.api_key = os.environ.get("RADIXSERVE_API_KEY") or None
         if args.enable_deterministic_inference and args.attention_backend == "auto":
             args.attention_backend = "invariant"
         args.validate()
@@ -151,6 +172,10 @@ class ServerArgs:
              "chunked_prefill_size", "must be -1 or at least one page")
         need(1 <= self.port <= 65535, "port", "must be in 1..65535")
         need(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1, "cuda_graph_max_bs", "must be >= 1")
+        need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests",
+             "must be >= 0")
+        need(self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0 seconds")
+        need(self.watchdog_timeout > 0, "watchdog_timeout", "must be > 0 seconds")
         if self.enable_deterministic_inference:
             name = "enable_deterministic_inference"
             need(self.device in ("auto", "cpu"), name,
@@ -168,6 +193,13 @@ class ServerArgs:
                  f"{aten_cpu_capability()}); use --dtype float32")
         if self.attention_backend == "invariant" and not self.enable_deterministic_inference:
             need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as /get_server_info reports them: every field, secrets masked."""
+        out = dataclasses.asdict(self)
+        if out.get("api_key"):
+            out["api_key"] = "***"
+        return out
 
     @property
     def torch_dtype(self) -> Any:

@@ -127,7 +127,7 @@ class Engine:
                 raise ValueError(f"rid: request id {s.rid!r} is already in use")
             self._calls[s.rid] = call
         msg = TokenizedRequest(s.rid, s.input_ids, s.sampling, s.return_logprob, s.logprob_start_len,
-                               s.top_logprobs_num, stream, s.cache_salt)
+                               s.top_logprobs_num, stream, s.cache_salt, s.priority)
         self._inbox.put(("submit", msg))
 
     def _apply(self, call: _Call, out: ReqOutput) -> None:

@@ -52,12 +52,14 @@ class TokenizedRequest:
     top_logprobs_num: int = 0
     stream: bool = False
     cache_salt: str | None = None
+    priority: int = 0
 
 
 @dataclass
 class AbortRequest:
     rid: str
     message: str = "aborted by request"
+    status_code: int | None = None  # set when the abort answers the client with an error (e.g. 408 timeout)
 
 
 @dataclass
@@ -116,6 +118,8 @@ class SchedulerStatus:
     decode_throughput: float
     cached_tokens: int
     capacity: int
+    # Steps that ran a forward pass since start: the watchdog's evidence of progress while work is pending.
+    forward_steps: int = 0
 
 
 @dataclass

@@ -8,6 +8,7 @@ a status message to the tokenizer manager about twice a second.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -118,14 +119,15 @@ class SchedulerLoop:
             if isinstance(msg, TokenizedRequest):
                 self.scheduler.submit(msg)
             elif isinstance(msg, AbortRequest):
-                self.scheduler.abort(msg.rid, msg.message)
+                self.scheduler.abort(msg.rid, msg.message, msg.status_code)
             elif isinstance(msg, ControlRequest):
                 self.to_tm.send(encode(self._control(msg)))
 
     def _control(self, msg: ControlRequest) -> ControlReply:
         try:
             if msg.kind == "server_info":
-                return ControlReply(msg.req_id, True, self.scheduler.server_info())
+                # the pid lets an operator (or a test) find the scheduler among the server's processes
+                return ControlReply(msg.req_id, True, {**self.scheduler.server_info(), "scheduler_pid": os.getpid()})
             if msg.kind == "flush_cache":
                 ok = self.scheduler.flush_cache()
                 return ControlReply(msg.req_id, ok, {} if ok else {
@@ -151,4 +153,5 @@ class SchedulerLoop:
             decode_throughput=round(s.stats.decode_throughput(), 2),
             cached_tokens=cs.cached_tokens,
             capacity=cap,
+            forward_steps=s.stats.steps,
         )))

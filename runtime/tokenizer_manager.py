@@ -38,7 +38,18 @@ CONTROL_TIMEOUT = 120.0
 
 
 class ServerUnavailable(RuntimeError):
-    """A child process died: the server can no longer serve (HTTP 503)."""
+    """A child process died or hung: the server can no longer serve (HTTP 503)."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at --max-queued-requests (HTTP 429 with Retry-After)."""
+
+    def __init__(self, queued: int, limit: int):
+        super().__init__(f"the server is overloaded: {queued} requests are waiting (limit {limit}); retry later")
+        self.retry_after = 1
+
+
+TIMEOUT_STATUS = 408
 
 
 class ReqHandle:
@@ -88,7 +99,10 @@ class TokenizerManager:
         self.endpoints = endpoints
         self.handles: dict[str, ReqHandle] = {}
         self.status: SchedulerStatus | None = None
+        self.status_time = time.monotonic()  # when the last status arrived (the watchdog's heartbeat)
         self.dead: str | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._expiring: set[asyncio.Future[None]] = set()
         self._controls: dict[str, asyncio.Future[ControlReply]] = {}
         self.on_output: Any = None  # callback(handle, previous_completion_tokens) for metrics
         self._ctx: zmq.asyncio.Context | None = None
@@ -118,6 +132,9 @@ class TokenizerManager:
             handle.failed = reason
             handle.changed.set()
         self.handles.clear()
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(ServerUnavailable(reason))
@@ -138,6 +155,23 @@ class TokenizerManager:
         check_single(single, self.vocab_size, self.context_length)
 
     # ------------------------------------------------------------------ requests
+    @property
+    def queued_estimate(self) -> int:
+        """Requests sent and not finished that the scheduler is not running, as far as its last status says.
+        The status is at most about half a second old; between two, new requests count as queued, so a burst
+        is judged conservatively."""
+        running = self.status.num_running if self.status is not None else 0
+        return max(0, len(self.handles) - running)
+
+    def check_capacity(self, count: int) -> None:
+        """Raise QueueFull if ``count`` more requests would overfill the waiting queue."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return
+        queued = self.queued_estimate
+        if queued + count > limit:
+            raise QueueFull(queued, limit)
+
     async def submit(self, single: SingleRequest, stream: bool, checked: bool = False) -> ReqHandle:
         """Send one request to the scheduler (``checked``: ``prepare`` already ran on it)."""
         if self.dead:
@@ -148,16 +182,36 @@ class TokenizerManager:
             self.prepare(single)
         handle = ReqHandle(single, stream)
         self.handles[single.rid] = handle
+        timeout = single.timeout if single.timeout is not None else self.args.request_timeout
+        if timeout is not None:
+            self._timers[single.rid] = asyncio.get_running_loop().call_later(timeout, self._expire, single.rid,
+                                                                             timeout)
         assert single.input_ids is not None
         await self._to_sched.send(encode(TokenizedRequest(
             single.rid, single.input_ids, single.sampling, single.return_logprob, single.logprob_start_len,
-            single.top_logprobs_num, stream, single.cache_salt)))
+            single.top_logprobs_num, stream, single.cache_salt, single.priority)))
         return handle
 
-    async def abort(self, rid: str, message: str = "aborted by request") -> None:
+    async def abort(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> None:
         if self.dead:
             return
-        await self._to_sched.send(encode(AbortRequest(rid, message)))
+        await self._to_sched.send(encode(AbortRequest(rid, message, status_code)))
+
+    def _expire(self, rid: str, timeout: float) -> None:
+        """A request ran past its deadline: abort it (the scheduler frees its KV and reports the abort)."""
+        self._timers.pop(rid, None)
+        if rid in self.handles:
+            logger.info("request %s timed out after %.3g s; aborting it", rid, timeout)
+            task = asyncio.ensure_future(self.abort(
+                rid, f"timeout: the request did not finish within {timeout:g} s", TIMEOUT_STATUS))
+            self._expiring.add(task)  # held until sent (the loop keeps only weak references to tasks)
+            task.add_done_callback(self._expiring.discard)
+
+    def _forget(self, rid: str) -> None:
+        del self.handles[rid]
+        timer = self._timers.pop(rid, None)
+        if timer is not None:
+            timer.cancel()
 
     async def control(self, kind: str) -> ControlReply:
         if self.dead:
@@ -186,10 +240,11 @@ class TokenizerManager:
                     if self.on_output is not None:
                         self.on_output(handle, before, now)
                     if item.out.finished is not None:
-                        del self.handles[item.out.rid]
+                        self._forget(item.out.rid)
                     handle.changed.set()
             elif isinstance(msg, SchedulerStatus):
                 self.status = msg
+                self.status_time = time.monotonic()
             elif isinstance(msg, ControlReply):
                 fut = self._controls.get(msg.req_id)
                 if fut is not None and not fut.done():

@@ -43,12 +43,12 @@ class ServerProcess(ManagedServer):
         return [int(p) for p in out.stdout.split()]
 
 
-def assert_kv_clean(url: str, timeout: float = 30.0) -> None:
+def assert_kv_clean(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
     """Once the server at ``url`` is idle, its KV accounting (checked by /get_server_info) holds no request's
     private pages and no locked prefix: every request handed back what it took."""
     deadline = time.time() + timeout
     while True:
-        info = httpx.get(url + "/get_server_info", timeout=30).json()
+        info = httpx.get(url + "/get_server_info", timeout=30, headers=headers).json()
         if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
             break
         assert time.time() < deadline, f"{url} is not idle: {info}"

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
 
 from runtime.http import native, openai_api, responses
-from runtime.http.errors import install_error_handlers
+from runtime.http.auth import UNAUTHORIZED, ApiKeyMiddleware
+from runtime.http.errors import error_response, install_error_handlers
 from runtime.http.metrics import ServerMetrics
 from runtime.tokenizer_manager import TokenizerManager
+from runtime.watchdog import ProgressWatch
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -23,7 +26,8 @@ WATCH_INTERVAL = 0.5
 def create_app(tm: TokenizerManager, served_model_name: str,
                check_children: Callable[[], str | None] | None = None,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """``check_children()`` returns why a child process is gone (or None); ``on_fatal`` stops the server."""
+    """``check_children()`` returns why a child process is gone (or None); ``on_fatal`` stops the server. With
+    ``check_children`` the app also watches the scheduler's progress (runtime/watchdog.py)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +46,9 @@ def create_app(tm: TokenizerManager, served_model_name: str,
     app.state.metrics = ServerMetrics(served_model_name)
     tm.on_output = app.state.metrics.on_output
     install_error_handlers(app)
+    if tm.args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=tm.args.api_key,
+                           reject=lambda: error_response(401, UNAUTHORIZED, code="invalid_api_key"))
     app.include_router(native.router)
     app.include_router(openai_api.router)
     app.include_router(responses.router)
@@ -50,9 +57,10 @@ def create_app(tm: TokenizerManager, served_model_name: str,
 
 async def _watch(tm: TokenizerManager, check: Callable[[], str | None],
                  on_fatal: Callable[[], None] | None) -> Any:
+    progress = ProgressWatch(tm.args.watchdog_timeout)
     while True:
         await asyncio.sleep(WATCH_INTERVAL)
-        reason = check()
+        reason = check() or progress.check(len(tm.handles), tm.status, tm.status_time, time.monotonic())
         if reason is not None:
             logger.error("%s; failing pending requests with 503 and shutting down", reason)
             tm.mark_dead(reason)

@@ -1,7 +1,8 @@
 """Errors in OpenAI's JSON shape, for every endpoint (native ones too).
 
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for anything the client can fix;
-503 when the server lost a process. Validation messages of the runtime start with the field name
+401 without the API key, 408 past a request's timeout, 429 when the waiting queue is full (with Retry-After), 503 when
+the server lost or hung a process. Validation messages of the runtime start with the field name
 (``"temperature: must be ..."``), which becomes ``param``.
 """
 
@@ -17,12 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.tokenizer_manager import ServerUnavailable
+from runtime.tokenizer_manager import QueueFull, ServerUnavailable
 
 logger = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-               503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               408: "timeout_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -83,11 +84,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
+        return response
 
     @app.exception_handler(ServerUnavailable)
     async def _dead(_: Request, exc: ServerUnavailable) -> Response:
         return error_response(503, f"the server is unavailable: {exc}")
+
+    @app.exception_handler(QueueFull)
+    async def _full(_: Request, exc: QueueFull) -> Response:
+        response = error_response(429, str(exc), code="queue_full")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:

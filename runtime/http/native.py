@@ -8,7 +8,6 @@ Streams follow what SGLang's frontend (``sglang.lang``'s RuntimeEndpoint) reads:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -135,7 +134,7 @@ async def get_server_info(request: Request) -> Response:
     tm = tm_of(request)
     reply = await tm.control("server_info")
     return json_response({
-        **dataclasses.asdict(tm.args),
+        **tm.args.public_dict(),
         "model_info": tm.model_info,
         "version": request.app.version,
         **reply.data,

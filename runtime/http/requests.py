@@ -26,7 +26,9 @@ def sse(obj: object) -> bytes:
 
 
 async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest], stream: bool) -> list[ReqHandle]:
-    """Validate every request first, then send them; a bad one rejects the whole call (nothing runs)."""
+    """Validate every request first, then send them; a bad one rejects the whole call (nothing runs), and so
+    does a waiting queue without room for all of them (429)."""
+    tm.check_capacity(len(singles))
     for s in singles:
         tm.prepare(s)
     handles: list[ReqHandle] = []

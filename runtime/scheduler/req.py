@@ -24,6 +24,7 @@ class Req:
     namespace: str | None = None
     eos_ids: frozenset[int] = frozenset()
     stream: bool = False
+    priority: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     # All tokens (prompt + output) as int32: the key the cache matches, kept in step with output_ids.
@@ -58,6 +59,7 @@ class Req:
             namespace=msg.cache_salt,
             eos_ids=eos_ids,
             stream=msg.stream,
+            priority=msg.priority,
         )
         req.tokens = array("i", req.input_ids)
         return req

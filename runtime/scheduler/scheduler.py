@@ -47,7 +47,8 @@ class Scheduler:
             self.cache = NaiveCache(runner.allocator, runner.req_to_token)
         else:
             self.cache = RadixCache(runner.allocator, runner.req_to_token, args.eviction_policy, cache_event_sink)
-        self.policy = make_schedule_policy(args.schedule_policy)
+        self.policy = make_schedule_policy(args.schedule_policy, args.enable_priority_scheduling,
+                                           args.schedule_low_priority_values_first)
         self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference)
         self.stop = StopChecker(tokenizer, runner.context_length)
         self.tokenizer = tokenizer
@@ -111,7 +112,7 @@ class Scheduler:
             return f"the prompt needs {n + 1} KV tokens but the pool holds {self.runner.allocator.capacity}"
         return None
 
-    def abort(self, rid: str, message: str = "aborted by request") -> bool:
+    def abort(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
         """Remove ``rid`` from the queue or the running batch and free its KV; False if unknown."""
         self._drain_overlap()
         for req in self.waiting + [r for r, _ in self.compiling]:
@@ -120,7 +121,7 @@ class Scheduler:
                     self.waiting.remove(req)
                 else:
                     self.compiling = [(r, f) for r, f in self.compiling if r is not req]
-                self._finish_early(req, FinishReason("abort", message=message))
+                self._finish_early(req, FinishReason("abort", message=message, status_code=status_code))
                 return True
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid:
@@ -128,7 +129,7 @@ class Scheduler:
                     self.chunked = None
                 else:
                     self.running.remove(req)
-                self._finish(req, FinishReason("abort", message=message))
+                self._finish(req, FinishReason("abort", message=message, status_code=status_code))
                 self._pending.append(req.take_output())
                 return True
         return False
@@ -199,7 +200,7 @@ class Scheduler:
             need = sum(ps for r in self.running if r.kv_len % ps == 0)
             if need <= self.cache.available_size:
                 return
-            victim = max(self.running, key=lambda r: (r.arrival, r.rid))  # newest first
+            victim = self.policy.retraction_victim(self.running)
             self.running.remove(victim)
             assert victim.kv is not None
             self.cache.release_req(victim.kv)

@@ -12,7 +12,7 @@ import pytest
 from radix import PagedAllocator, RadixCache, ReqToTokenPool
 from runtime.messages import TokenizedRequest
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler.policy import LPM_MAX_QUEUE, FCFSPolicy, LPMPolicy, make_schedule_policy
+from runtime.scheduler.policy import LPM_MAX_QUEUE, FCFSPolicy, LPMPolicy, PriorityPolicy, make_schedule_policy
 from runtime.scheduler.req import Req
 
 CACHED = list(range(100, 160))  # 60 tokens in the cache
@@ -26,8 +26,8 @@ def cache_with(*prompts: list[int]) -> RadixCache:
     return cache
 
 
-def req(rid: str, tokens: list[int], retractions: int = 0) -> Req:
-    r = Req.from_message(TokenizedRequest(rid, tokens, SamplingParams(max_new_tokens=4)), seed=0,
+def req(rid: str, tokens: list[int], retractions: int = 0, priority: int = 0) -> Req:
+    r = Req.from_message(TokenizedRequest(rid, tokens, SamplingParams(max_new_tokens=4), priority=priority), seed=0,
                          eos_ids=frozenset())
     r.retractions = retractions
     return r
@@ -108,3 +108,26 @@ def test_the_scheduler_admits_in_its_policys_order(tiny_engine: Any, policy: str
     assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results.values())
     report = engine.check_integrity()
     assert report["private"] == 0 and report["protected"] == 0
+
+
+def test_priority_classes_first_then_the_inner_order() -> None:
+    cache = cache_with(CACHED)
+    waiting = [req("low-miss", list(range(900, 940)), priority=0), req("low-hit", CACHED[:50] + [4], priority=0),
+               req("high-miss", list(range(700, 730)), priority=5), req("mid", list(range(600, 610)), priority=1)]
+    high_first = make_schedule_policy("lpm", by_priority=True)
+    assert isinstance(high_first, PriorityPolicy) and high_first.name == "priority+lpm"
+    assert rids(high_first.order(waiting, cache)) == ["high-miss", "mid", "low-hit", "low-miss"]
+    low_first = make_schedule_policy("fcfs", by_priority=True, low_values_first=True)
+    assert rids(low_first.order(waiting, cache)) == ["low-miss", "low-hit", "mid", "high-miss"]
+    assert make_schedule_policy("lpm").name == "lpm"  # off unless asked for
+
+
+def test_retraction_gives_back_the_lowest_priority_first() -> None:
+    running = [req("old-low", [1, 2], priority=0), req("new-high", [3, 4], priority=9), req("new-low", [5], priority=0)]
+    for i, r in enumerate(running):
+        r.arrival = float(i)
+    assert LPMPolicy().retraction_victim(running).rid == "new-low"  # newest
+    assert make_schedule_policy("lpm", by_priority=True).retraction_victim(running).rid == "new-low"
+    running[2].priority = 20
+    assert make_schedule_policy("lpm", by_priority=True).retraction_victim(running).rid == "old-low"
+    assert LPMPolicy().retraction_victim(running).rid == "new-low"
