@@ -15,6 +15,7 @@ from runtime.http import native, openai_api, responses
 from runtime.http.auth import UNAUTHORIZED, ApiKeyMiddleware
 from runtime.http.errors import error_response, install_error_handlers
 from runtime.http.metrics import ServerMetrics
+from runtime.http.openapi import install_openapi
 from runtime.tokenizer_manager import TokenizerManager
 from runtime.watchdog import ProgressWatch
 
@@ -49,9 +50,12 @@ def create_app(tm: TokenizerManager, served_model_name: str,
     if tm.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.args.api_key,
                            reject=lambda: error_response(401, UNAUTHORIZED, code="invalid_api_key"))
-    app.include_router(native.router)
-    app.include_router(openai_api.router)
-    app.include_router(responses.router)
+    routers = (native.router, openai_api.router, responses.router)
+    for router in routers:
+        app.include_router(router)
+    app.state.routes = [*app.routes, *(route for router in routers for route in router.routes)]
+    install_openapi(app, api_key=bool(tm.args.api_key), context_length=tm.context_length,
+                    max_running_requests=tm.args.max_running_requests)
     return app
 
 

@@ -16,7 +16,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from runtime.tokenizer_manager import QueueFull, ServerUnavailable
 
@@ -46,6 +48,9 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 _FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.\[\]]*): ")
+# Parts of a pydantic error location that name a member of a union type rather than a field
+# ("SamplingParamsBody", "list[str]"): left out, so the error names the field the client wrote.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|[A-Z]\w*|.*\[.*\])$")
 
 
 def from_value_error(exc: ValueError) -> APIError:
@@ -60,6 +65,28 @@ async def parse_json(request: Request) -> Any:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def check_types(model: type[BaseModel], body: Any) -> None:
+    """Validate ``body`` against ``model``; a mismatch is a 400 naming the field (RequestValidationError)."""
+    try:
+        model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        for e in errors:
+            e["loc"] = tuple(p for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+        raise RequestValidationError(errors) from None
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (the framework's own 405 may name none). The app lists
+    its routes in ``app.state.routes``: included routers are not flattened into ``app.routes``."""
+    methods: set[str] = set()
+    for route in getattr(request.app.state, "routes", request.app.routes):
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match is not Match.NONE and isinstance(route, BaseRoute):
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -83,9 +110,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{field}: {msg}" if field else msg, field)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         response = error_response(exc.status_code, str(exc.detail))
-        response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
         return response
 
     @app.exception_handler(ServerUnavailable)

@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.generate_input import SingleRequest, expand, reject_unsupported
-from runtime.http.errors import APIError, error_response, parse_json
+from runtime.http.errors import APIError, check_types, error_response, parse_json
+from runtime.http.native_protocol import GenerateRequest
 from runtime.http.requests import (
     DONE,
     ClientDisconnected,
@@ -55,6 +56,7 @@ async def generate(request: Request) -> Response:
     body = await parse_json(request)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_types(GenerateRequest, body)
     stream = _flag(body, "stream")
     text_in_lp = _flag(body, "return_text_in_logprobs")
     prompt_ids = _flag(body, "return_prompt_token_ids")

@@ -23,8 +23,27 @@ def _invalid(kind: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(kind, message)
 
 
+def nullable_properties(schema: dict[str, Any], *_: Any) -> None:
+    """JSON-schema hook: every optional property also accepts null, which these endpoints read as "the
+    default" (a required one sent as null is missing)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        variants = prop.get("anyOf")
+        if variants is not None:
+            if {"type": "null"} not in variants:
+                variants.append({"type": "null"})
+            continue
+        if not any(k in prop for k in ("type", "$ref", "allOf", "enum", "const")):
+            continue  # already any value (an untyped field)
+        inner = {k: prop.pop(k) for k in list(prop) if k not in ("title", "description", "default")}
+        prop["anyOf"] = [inner, {"type": "null"}]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True,
+                              json_schema_extra=nullable_properties)
 
     @model_validator(mode="before")
     @classmethod
@@ -44,7 +63,8 @@ class SamplingFields(_Strict):
 
     model: str | None = None  # None: the served model
     n: int = Field(1, ge=1)
-    stop: Any = None  # a string or a list of strings (checked below)
+    stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array",
+                                                                       "items": {"type": "string"}}]})
     seed: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -100,7 +120,10 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Any  # str | list[str] | list[int] | list[list[int]] (checked below)
+    prompt: Any = Field(json_schema_extra={"anyOf": [  # checked below
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1}]})
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)

@@ -38,7 +38,7 @@ from runtime.http.openai_format import (
     raise_if_rejected,
     renamed,
 )
-from runtime.http.protocol import ChatCompletionRequest
+from runtime.http.protocol import ChatCompletionRequest, nullable_properties
 from runtime.http.requests import ClientDisconnected, abort_unfinished, merged_updates, submit_all, wait_all
 from runtime.http.responses_format import (
     EventStream,
@@ -69,8 +69,10 @@ router = APIRouter()
 class ResponsesRequest(BaseModel):
     """The fields served. ``input`` and the tool fields are checked by hand, for errors naming the item."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    input: Any
+    # null means the default (stripped in ``parse``), so the schema lets every optional field be null
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_properties)
+    input: Any = Field(json_schema_extra={"anyOf": [{"type": "string"},
+                                                    {"type": "array", "items": {"type": "object"}}]})
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
