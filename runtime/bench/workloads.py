@@ -45,6 +45,8 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from runtime.bench import workload_words as vocab
+
 SOURCE = "runtime/bench/workloads.py"
 
 # --quick: small enough that the slowest system (transformers, sequential) finishes each in about a minute.
@@ -54,59 +56,6 @@ QUICK_PARAMS: dict[str, dict[str, Any]] = {
     "parallel": {"prompts": 2},
     "agent": {"agents": 2},
 }
-
-# ---------------------------------------------------------------------------------------------- word lists
-PEOPLE = [
-    "Amara", "Bastian", "Carmen", "Dmitri", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kiri",
-    "Lorenzo", "Mei", "Nils", "Olufemi", "Paloma", "Rafael", "Saoirse", "Tomasz", "Uma", "Viktor",
-    "Wanjiru", "Yara", "Zeno",
-]
-TOWNS = [
-    "Northvale", "Kestrel Bay", "Amberfield", "Old Harrow", "Quarry Hill", "Fenwick", "Saltmarsh",
-    "Bramblewood", "Copper Ridge", "Lindenford", "Wrenmouth", "Gull Point", "Marrowgate", "Highmoor",
-    "Tansy Cross", "Eldergate",
-]
-SHOPS = ["bakery", "hardware store", "bookshop", "flower stall", "corner shop", "pharmacy", "toy shop",
-         "bicycle shop", "tea house", "print shop"]
-GOODS = ["candles", "jars of honey", "notebooks", "bags of rice", "paint brushes", "light bulbs", "scarves",
-         "tins of soup", "flower pots", "rolls of tape", "bars of soap", "batteries"]
-CONTAINERS = ["crate", "carton", "basket", "drawer", "shelf", "sack"]
-ROOMS = ["attic", "school hall", "waiting room", "garden shed", "museum gallery", "train carriage", "kitchen"]
-THINGS = ["chairs", "windows", "umbrellas", "paintings", "potted plants", "lamps", "coats", "clocks"]
-EVENTS = ["folk festival", "chess tournament", "book fair", "flower show", "night market", "boat race"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-          "November", "December"]
-VEHICLES = ["ferry", "night bus", "cargo train", "mail van", "river barge", "coach"]
-OPPOSITES = [("heavy", "light"), ("narrow", "wide"), ("ancient", "modern"), ("noisy", "quiet"),
-             ("early", "late"), ("shallow", "deep"), ("rough", "smooth"), ("generous", "mean"),
-             ("empty", "full"), ("fragile", "sturdy"), ("dim", "bright"), ("tidy", "messy")]
-OPPOSITE_NOUNS = ["parcel", "corridor", "bridge", "cellar", "morning", "river", "path", "visitor", "cupboard",
-                  "vase", "lantern", "desk"]
-JOBS = ["locksmith", "midwife", "surveyor", "tailor", "beekeeper", "ferry captain", "archivist", "welder",
-        "florist", "radio host", "glazier", "veterinarian", "courier", "stage manager", "cartographer"]
-TRAITS = ["reluctant", "meticulous", "absent-minded", "soft-spoken", "ambitious", "superstitious",
-          "good-natured", "secretive", "impatient", "stubborn", "wry", "restless"]
-WEATHER = ["foggy", "stormy", "unusually warm", "freezing", "damp", "windy"]
-SEASONS = ["spring", "summer", "autumn", "winter"]
-WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-
-
-def _words(rng: random.Random) -> dict[str, Any]:
-    """One random value for every placeholder the templates below may use."""
-    return {"person": rng.choice(PEOPLE), "town": rng.choice(TOWNS), "job": rng.choice(JOBS),
-            "trait": rng.choice(TRAITS), "weather": rng.choice(WEATHER), "season": rng.choice(SEASONS),
-            "weekday": rng.choice(WEEKDAYS), "shop": rng.choice(SHOPS), "goods": rng.choice(GOODS),
-            "room": rng.choice(ROOMS), "things": rng.choice(THINGS), "k": rng.randint(2, 6)}
-
-
-def _fill(rng: random.Random, template: str) -> str:
-    return template.format(**_words(rng))
-
-
-def _rng(name: str, seed: int) -> random.Random:
-    # A string seed is hashed with SHA-512 by random.Random: stable across runs, machines and versions.
-    return random.Random(f"radixserve-bench/{name}/{seed}")
-
 
 # ---------------------------------------------------------------------------------------------- fewshot
 FEWSHOT_HEADER = (
@@ -118,10 +67,10 @@ FEWSHOT_HEADER = (
 def _question(rng: random.Random) -> tuple[str, str]:
     """One question and its correct one-sentence answer (eight kinds of arithmetic and reading)."""
     kind = rng.randrange(8)
-    p1, p2, p3 = rng.sample(PEOPLE, 3)
-    town = rng.choice(TOWNS)
+    p1, p2, p3 = rng.sample(vocab.PEOPLE, 3)
+    town = rng.choice(vocab.TOWNS)
     if kind == 0:
-        shop, goods = rng.choice(SHOPS), rng.choice(GOODS)
+        shop, goods = rng.choice(vocab.SHOPS), rng.choice(vocab.GOODS)
         a, b = rng.randint(5, 60), rng.randint(3, 40)
         return (f"The {shop} in {town} had {a} {goods} and received {b} more. How many does it have now?",
                 f"It has {a + b}.")
@@ -129,25 +78,26 @@ def _question(rng: random.Random) -> tuple[str, str]:
         return (f"{p1} finished ahead of {p2}, and {p2} ahead of {p3}. Who finished last?",
                 f"{p3} finished last.")
     if kind == 2:
-        goods, box = rng.choice(GOODS), rng.choice(CONTAINERS)
+        goods, box = rng.choice(vocab.GOODS), rng.choice(vocab.CONTAINERS)
         a, b = rng.randint(3, 12), rng.randint(2, 9)
         return (f"A {box} holds {a} {goods}. How many {goods} are in {b} {box}s?",
                 f"There are {a * b}.")
     if kind == 3:
-        event, m, k = rng.choice(EVENTS), rng.randrange(12), rng.randint(1, 5)
-        return (f"The {event} in {town} is in {MONTHS[m]}; the next one is {k} months later. Which month is that?",
-                f"It is in {MONTHS[(m + k) % 12]}.")
+        event, m, k = rng.choice(vocab.EVENTS), rng.randrange(12), rng.randint(1, 5)
+        return (f"The {event} in {town} is in {vocab.MONTHS[m]}; the next one is {k} months later. "
+                "Which month is that?",
+                f"It is in {vocab.MONTHS[(m + k) % 12]}.")
     if kind == 4:
-        things, room, x = rng.choice(THINGS), rng.choice(ROOMS), rng.randint(11, 99)
+        things, room, x = rng.choice(vocab.THINGS), rng.choice(vocab.ROOMS), rng.randint(11, 99)
         return (f"{p1} counted {x} {things} in the {room}. Is {x} even or odd?",
                 f"{x} is {'even' if x % 2 == 0 else 'odd'}.")
     if kind == 5:
-        word, opposite = rng.choice(OPPOSITES)
-        noun = rng.choice(OPPOSITE_NOUNS)
+        word, opposite = rng.choice(vocab.OPPOSITES)
+        noun = rng.choice(vocab.OPPOSITE_NOUNS)
         return (f"In \"the {noun} was {word}\", what is the opposite of {word}?",
                 f"The opposite of {word} is {opposite}.")
     if kind == 6:
-        vehicle, h, d = rng.choice(VEHICLES), rng.randint(5, 15), rng.randint(2, 8)
+        vehicle, h, d = rng.choice(vocab.VEHICLES), rng.randint(5, 15), rng.randint(2, 8)
         return (f"The {vehicle} leaves {town} at {h}:00 for a {d}-hour trip. When does it arrive?",
                 f"It arrives at {h + d}:00.")
     a = rng.randint(20, 90)
@@ -158,7 +108,7 @@ def _question(rng: random.Random) -> tuple[str, str]:
 
 
 def fewshot(seed: int = 0, questions: int = 64, examples: int = 30, max_tokens: int = 16) -> dict[str, Any]:
-    rng = _rng("fewshot", seed)
+    rng = vocab.seeded_rng("fewshot", seed)
     shots = [f"Question: {q}\nAnswer: {a}\n\n" for q, a in (_question(rng) for _ in range(examples))]
     prefix = FEWSHOT_HEADER + "".join(shots)
     requests = []
@@ -218,21 +168,21 @@ CHAT_FOLLOW_UPS = [
 
 
 def _chat_turn(rng: random.Random, topic: str, aspect: str | None) -> str:
-    context = " ".join(_fill(rng, s) for s in rng.sample(CHAT_CONTEXT, 3))
+    context = " ".join(vocab.fill(rng, s) for s in rng.sample(CHAT_CONTEXT, 3))
     if aspect is None:
         return f"Hello! I would like some advice on {topic}. {context} What should I do first?"
     return f"{rng.choice(CHAT_FOLLOW_UPS).format(aspect=aspect)} {context}"
 
 
 def multiturn(seed: int = 0, sessions: int = 8, turns: int = 4, max_tokens: int = 32) -> dict[str, Any]:
-    rng = _rng("multiturn", seed)
+    rng = vocab.seeded_rng("multiturn", seed)
     out = []
     for s in range(sessions):
         topic_template, aspects = CHAT_TOPICS[(s + seed) % len(CHAT_TOPICS)]
-        topic = _fill(rng, topic_template)
+        topic = vocab.fill(rng, topic_template)
         steps = []
         for t in range(turns):
-            aspect = None if t == 0 else _fill(rng, aspects[(t - 1) % len(aspects)])
+            aspect = None if t == 0 else vocab.fill(rng, aspects[(t - 1) % len(aspects)])
             steps.append({"append": [{"role": "user", "content": _chat_turn(rng, topic, aspect)}],
                           "body": {"max_tokens": max_tokens, "temperature": 0.0}})
         out.append({"id": f"multiturn-{s:02d}", "endpoint": "chat",
@@ -268,14 +218,14 @@ STORY_DETAILS = [
 
 def parallel(seed: int = 0, prompts: int = 8, n: int = 8, max_tokens: int = 32,
              temperature: float = 0.8) -> dict[str, Any]:
-    rng = _rng("parallel", seed)
+    rng = vocab.seeded_rng("parallel", seed)
     requests = []
     for i in range(prompts):
-        name, trait, job = rng.choice(PEOPLE), rng.choice(TRAITS), rng.choice(JOBS)
+        name, trait, job = rng.choice(vocab.PEOPLE), rng.choice(vocab.TRAITS), rng.choice(vocab.JOBS)
         situation = rng.choice(STORY_SITUATIONS).format(
-            vehicle=rng.choice(VEHICLES), town=rng.choice(TOWNS), things_one=rng.choice(
+            vehicle=rng.choice(vocab.VEHICLES), town=rng.choice(vocab.TOWNS), things_one=rng.choice(
                 ["wedding ring", "violin", "cat", "passport", "prototype", "painting"]))
-        details = " ".join(_fill(rng, d) for d in rng.sample(STORY_DETAILS, 3))
+        details = " ".join(vocab.fill(rng, d) for d in rng.sample(STORY_DETAILS, 3))
         user = (f"Write the opening paragraph of a story about {name}, a {trait} {job} who {situation}. "
                 f"{details} Start with dialogue.")
         requests.append({"id": f"parallel-{i:02d}", "endpoint": "chat",
@@ -366,32 +316,33 @@ def _tool_output(rng: random.Random, step: int) -> str:
     if kind == 0:  # search results
         rows = []
         for j in range(rng.randint(2, 3)):
-            w = _words(rng)
+            w = vocab.words(rng)
             rows.append(f"{j + 1}. {w['town']} {w['shop']} guide - https://{w['town'].lower().replace(' ', '-')}"
                         f".example/{w['goods'].split()[-1]} - A {w['trait']} review by {w['person']}, a "
                         f"{w['job']}, about {w['goods']}.")
         body = "\n".join(rows)
     elif kind == 1:  # a directory listing
-        body = "\n".join(f"{rng.choice(JOBS).replace(' ', '_')}_{j}.txt  {rng.randint(1, 80)} KB  "
+        body = "\n".join(f"{rng.choice(vocab.JOBS).replace(' ', '_')}_{j}.txt  {rng.randint(1, 80)} KB  "
                          f"modified 2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
                          for j in range(rng.randint(2, 5)))
     elif kind == 2:  # database rows
-        rows = [f"({rng.randint(1000, 9999)}, '{rng.choice(GOODS)}', {rng.randint(1, 40)}, "
+        rows = [f"({rng.randint(1000, 9999)}, '{rng.choice(vocab.GOODS)}', {rng.randint(1, 40)}, "
                 f"{rng.randint(2, 300)}.{rng.randint(0, 99):02d})" for _ in range(rng.randint(2, 5))]
         body = "order_id, product, quantity, total\n" + "\n".join(rows)
     else:  # a forecast
-        days = ", ".join(f"{d}: {rng.choice(WEATHER)}, {rng.randint(-4, 31)} C"
-                         for d in rng.sample(WEEKDAYS, 3))
-        body = f"{rng.choice(TOWNS)} now: {rng.choice(WEATHER)}, {rng.randint(-4, 31)} C. Next days: {days}."
+        days = ", ".join(f"{d}: {rng.choice(vocab.WEATHER)}, {rng.randint(-4, 31)} C"
+                         for d in rng.sample(vocab.WEEKDAYS, 3))
+        now = f"{rng.choice(vocab.TOWNS)} now: {rng.choice(vocab.WEATHER)}, {rng.randint(-4, 31)} C."
+        body = f"{now} Next days: {days}."
     return f"OUTPUT of {tool} (step {step}):\n{body}"
 
 
 def agent(seed: int = 0, agents: int = 8, steps: int = 5, max_tokens: int = 32) -> dict[str, Any]:
-    rng = _rng("agent", seed)
+    rng = vocab.seeded_rng("agent", seed)
     system = agent_system_prompt()
     sessions = []
     for a in range(agents):
-        task = _fill(rng, AGENT_TASKS[(a + seed) % len(AGENT_TASKS)])
+        task = vocab.fill(rng, AGENT_TASKS[(a + seed) % len(AGENT_TASKS)])
         body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
         agent_steps: list[dict[str, Any]] = [{"append": [], "body": dict(body)}]
         agent_steps += [{"append": [{"role": "user", "content": _tool_output(rng, s)}], "body": dict(body)}
