@@ -28,6 +28,7 @@ from radix.events import (
     root_hash,
 )
 from radix.eviction import EvictionIndex, make_policy
+from radix.snapshot import TreeSnapshot, build_snapshot
 
 
 class TreeNode:
@@ -330,6 +331,10 @@ class RadixCache(PrefixCache):
                                         array("i", node.key).tolist(), self.page_size))
                 stack.extend(node.children.values())
         return out
+
+    def snapshot(self, max_nodes: int = 500, min_tokens: int = 1, preview_tokens: int = 32) -> TreeSnapshot:
+        """A read-only, size-bounded copy of the tree for dashboards (see ``radix.snapshot``)."""
+        return build_snapshot(self._roots, max_nodes, min_tokens, preview_tokens)
 
     def block_hashes(self) -> set[int]:
         """Every cached block's hash (requires events); equals a ``CacheMirror``'s keys."""

@@ -3,7 +3,7 @@
 Generation (/generate, /v1/completions, /v1/chat/completions) is routed by the policy. The model
 endpoints (/v1/models, /get_model_info, /health_generate) go to any healthy worker. /get_server_info
 sums the workers' queue and cache figures; /flush_cache and /abort_request go to every worker; /health
-is healthy while at least one worker is; /metrics are the router's own.
+is healthy while at least one worker is; /metrics are the router's own; /dashboard shows the workers live.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.config import RouterArgs
+from router.dashboard import router as dashboard_router
 from router.errors import RouterError, error_response
 from router.request_view import CHAT, COMPLETIONS, GENERATE, RequestView
 from router.service import RouterService
@@ -151,6 +152,8 @@ def create_app(args: RouterArgs) -> FastAPI:
         data = service.metrics.render(service.registry, service.gate.waiting,
                                       getattr(service.policy, "guard_overrides", 0))
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(dashboard_router)  # /dashboard: one panel per worker (router/dashboard.py)
 
     # ------------------------------------------------------------------ worker management
     @app.get("/workers")

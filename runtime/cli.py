@@ -1,5 +1,5 @@
 """The ``radixserve`` command: ``serve`` (one server, or ``--dp N`` workers behind a router), ``router``,
-``bench``."""
+``bench``, ``top``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from router.cli import add_dp_args, add_router_parser
 from runtime.bench.cli import add_bench_parser, run_bench
+from runtime.cli_top import add_top_parser
 from runtime.config import add_server_args, server_args_from_namespace
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dp_args(serve)
     add_router_parser(sub)
     add_bench_parser(sub)
+    add_top_parser(sub)
     return parser
 
 
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_router(args))
     elif args.command == "bench":
         sys.exit(run_bench(args, sys.argv[1:] if argv is None else argv))
+    elif args.command == "top":
+        from runtime.cli_top import run_top
+
+        sys.exit(run_top(args))
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ class ControlRequest:
     """A query the scheduler answers with a ControlReply (server info, integrity check...)."""
 
     req_id: str
-    kind: str  # "server_info" | "flush_cache"
+    kind: str  # "server_info" | "flush_cache" | "cache_tree" | "dashboard_stats"
+    params: dict[str, Any] = field(default_factory=dict)  # the kind's arguments (cache_tree: max_nodes, ...)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import zmq
 
 from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
+from runtime.dashboard_control import DASHBOARD_KINDS, dashboard_control
 from runtime.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
 from runtime.kv_events import EventPublisher
 from runtime.logging_setup import configure_logging
@@ -132,6 +133,8 @@ class SchedulerLoop:
                 ok = self.scheduler.flush_cache()
                 return ControlReply(msg.req_id, ok, {} if ok else {
                     "message": "the cache cannot be flushed while requests are queued or running"})
+            if msg.kind in DASHBOARD_KINDS:  # read-only views for the dashboard (runtime/dashboard_control.py)
+                return ControlReply(msg.req_id, True, dashboard_control(self.scheduler, msg.kind, msg.params))
             return ControlReply(msg.req_id, False, {"message": f"unknown control request {msg.kind!r}"})
         except Exception as exc:
             logger.exception("control request %s failed", msg.kind)

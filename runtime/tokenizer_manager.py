@@ -213,14 +213,14 @@ class TokenizerManager:
         if timer is not None:
             timer.cancel()
 
-    async def control(self, kind: str) -> ControlReply:
+    async def control(self, kind: str, params: dict[str, Any] | None = None) -> ControlReply:
         if self.dead:
             raise ServerUnavailable(self.dead)
         req_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._controls[req_id] = fut
         try:
-            await self._to_sched.send(encode(ControlRequest(req_id, kind)))
+            await self._to_sched.send(encode(ControlRequest(req_id, kind, params or {})))
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT)
         finally:
             self._controls.pop(req_id, None)

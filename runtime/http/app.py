@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from runtime.http import native, openai_api, responses
 from runtime.http.auth import UNAUTHORIZED, ApiKeyMiddleware
+from runtime.http.dashboard import router as dashboard_router
 from runtime.http.errors import error_response, install_error_handlers
 from runtime.http.metrics import ServerMetrics
 from runtime.http.openapi import install_openapi
@@ -50,7 +51,7 @@ def create_app(tm: TokenizerManager, served_model_name: str,
     if tm.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.args.api_key,
                            reject=lambda: error_response(401, UNAUTHORIZED, code="invalid_api_key"))
-    routers = (native.router, openai_api.router, responses.router)
+    routers = (native.router, openai_api.router, responses.router, dashboard_router)
     for router in routers:
         app.include_router(router)
     app.state.routes = [*app.routes, *(route for router in routers for route in router.routes)]

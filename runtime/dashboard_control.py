@@ -1,0 +1,54 @@
+"""The scheduler's read-only answers for the dashboard: the cache tree and the cheap live figures.
+
+Both run in the scheduler process between two steps (``SchedulerLoop._control``), so they see a consistent
+tree and pools without locks. Neither drains an in-flight overlap batch (its results are applied at the
+next step, as usual) and neither runs the integrity check that /get_server_info does: the dashboard polls
+every second and must not slow the steps down. The KV figures are the allocator's and the cache's own
+counters; what running requests hold privately is the rest of the capacity (the accounting invariant).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from radix.radix_cache import RadixCache
+from radix.snapshot import SnapshotNode, TreeSnapshot
+
+DASHBOARD_KINDS = ("cache_tree", "dashboard_stats")
+PREVIEW_TOKENS = 32  # token ids sent per node for its text preview (decoded in the main process)
+
+
+def dashboard_control(scheduler: Any, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    if kind == "cache_tree":
+        return cache_tree(scheduler, int(params.get("max_nodes", 500)), int(params.get("min_tokens", 1)))
+    return live_stats(scheduler)
+
+
+def cache_tree(scheduler: Any, max_nodes: int, min_tokens: int) -> dict[str, Any]:
+    cache = scheduler.cache
+    if isinstance(cache, RadixCache):
+        snap = cache.snapshot(max_nodes, min_tokens, PREVIEW_TOKENS)
+    else:  # --disable-radix-cache: nothing is kept, the tree is empty
+        snap = TreeSnapshot([SnapshotNode(0, None, 0, 0, 0, 0, 0, label="cache")], 0, 0, 0)
+    return {**snap.to_json(), "page_size": cache.page_size, "enabled": isinstance(cache, RadixCache)}
+
+
+def live_stats(scheduler: Any) -> dict[str, Any]:
+    cache = scheduler.cache
+    alloc = cache.allocator
+    cs = cache.stats()
+    st = scheduler.stats
+    free, evictable, protected = alloc.free_size, cache.evictable_size, cache.protected_size
+    return {
+        "time": time.time(),
+        "num_running_reqs": len(scheduler.running) + (1 if scheduler.chunked else 0),
+        "num_waiting_reqs": len(scheduler.waiting),
+        "kv": {"free": free, "evictable": evictable, "protected": protected,
+               "private": alloc.capacity - free - evictable - protected, "capacity": alloc.capacity},
+        "cache": {"hit_tokens": cs.hit_tokens, "miss_tokens": cs.miss_tokens, "hit_rate": round(cs.hit_rate, 4),
+                  "cached_tokens": cs.cached_tokens, "num_nodes": cs.num_nodes,
+                  "evicted_tokens": cs.evicted_tokens},
+        "scheduler": {"steps": st.steps, "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens,
+                      "forward_seconds": st.forward_seconds, "finished_requests": st.finished},
+    }

@@ -1,0 +1,157 @@
+"""The live cache dashboard: ``GET /dashboard`` (the page), ``GET /cache/tree``, the stats stream and one sample.
+
+- ``GET /cache/tree?max_nodes=N&min_tokens=M``: the radix tree, aggregated in the scheduler
+  (``RadixCache.snapshot``) to at most N nodes, subtrees under M tokens folded into their parent's aggregate;
+  each node has ``id``, ``parent``, ``tokens``, ``subtree_tokens``, ``text`` (decoded here, from the first
+  token ids of the node), ``hits``, ``last_access`` (the cache's logical clock; ``clock`` is its latest value),
+  ``lock_count``, ``tier``, and for aggregates ``aggregated`` (how many nodes) and ``label``.
+- ``GET /dashboard/stream``: server-sent events, one ``stats`` event a second (``?interval=`` seconds), after a
+  first ``history`` event holding the samples the hub already has (``dashboard_stats.py``).
+- ``GET /dashboard/stats``: the latest sample as JSON (``radixserve top``, the router's panels).
+
+All of it is read-only; the page's files ship in ``static/`` (uPlot and d3-hierarchy vendored with their
+licences), so it works offline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from runtime.http.dashboard_files import EVENT_STREAM_HEADERS, FRESH, static_file
+from runtime.http.dashboard_stats import StatsHub
+from runtime.http.errors import APIError
+from runtime.tokenizer_manager import TokenizerManager
+
+router = APIRouter()
+MAX_NODES = 20_000
+
+
+def static_response(name: str) -> Response:
+    response = static_file(name)
+    if response is None:
+        raise APIError(404, f"no dashboard file {name!r}")
+    return response
+
+
+def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise APIError(400, f"{name}: must be an integer, got {raw!r}", name) from None
+    if not lo <= value <= hi:
+        raise APIError(400, f"{name}: must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise APIError(400, f"{name}: must be a number, got {raw!r}", name) from None
+    if not lo <= value <= hi:
+        raise APIError(400, f"{name}: must be between {lo:g} and {hi:g}, got {value:g}", name)
+    return value
+
+
+def tm_of(request: Request) -> TokenizerManager:
+    tm: TokenizerManager = request.app.state.tm
+    if tm.dead:
+        raise APIError(503, f"the server cannot serve: {tm.dead}")
+    return tm
+
+
+def hub_of(request: Request) -> StatsHub:
+    state = request.app.state
+    hub: StatsHub | None = getattr(state, "dashboard_hub", None)
+    if hub is None:
+        hub = state.dashboard_hub = StatsHub(state.tm, state.metrics)
+    return hub
+
+
+def json_response(obj: Any) -> Response:
+    return Response(orjson.dumps(obj), media_type="application/json")
+
+
+def with_text(tm: TokenizerManager, tree: dict[str, Any]) -> dict[str, Any]:
+    """Replace each node's preview token ids by their text (the tokenizer lives in this process)."""
+    nodes = tree["nodes"]
+    texts = tm.tokenizer.batch_decode([n["preview_ids"] for n in nodes])
+    for node, text in zip(nodes, texts):
+        shown = len(node.pop("preview_ids"))
+        node["text"] = text + ("…" if 0 < shown < node["tokens"] else "") if shown else (node["label"] or "")
+    return tree
+
+
+def _query(name: str, description: str, minimum: int, maximum: int, default: int) -> dict[str, Any]:
+    # declared for /openapi.json only: the route parses its query itself (OpenAI-shaped 400s, never 422s)
+    return {"name": name, "in": "query", "required": False, "description": description,
+            "schema": {"type": "integer", "minimum": minimum, "maximum": maximum, "default": default}}
+
+
+TREE_PARAMS = {"parameters": [
+    _query("max_nodes", "most nodes in the answer, aggregates included", 2, MAX_NODES, 500),
+    _query("min_tokens", "subtrees with fewer tokens are folded into their parent's aggregate", 0, 2**31 - 1, 1)]}
+
+
+@router.get("/cache/tree", openapi_extra=TREE_PARAMS,
+            summary="The radix tree, aggregated to at most max_nodes nodes (read-only)")
+async def cache_tree(request: Request) -> Response:
+    max_nodes = int_param(request, "max_nodes", 500, 2, MAX_NODES)
+    min_tokens = int_param(request, "min_tokens", 1, 0, 2**31 - 1)
+    tm = tm_of(request)
+    reply = await tm.control("cache_tree", {"max_nodes": max_nodes, "min_tokens": min_tokens})
+    if not reply.ok:
+        raise APIError(400, reply.data.get("message", "the cache tree is not available"))
+    return json_response(with_text(tm, reply.data))
+
+
+@router.get("/dashboard/stats", summary="The dashboard's latest live sample (KV pool, hit rate, rates, latency)")
+async def dashboard_stats(request: Request) -> Response:
+    tm_of(request)
+    try:
+        sample = await hub_of(request).sample()
+    except RuntimeError as exc:
+        raise APIError(503, f"the scheduler did not answer: {exc}") from None
+    return json_response({**sample, "model": request.app.state.served_model_name})
+
+
+@router.get("/dashboard/stream", include_in_schema=False)  # endless SSE: documented in docs/ARCHITECTURE.md
+async def dashboard_stream(request: Request) -> Response:
+    interval = float_param(request, "interval", 1.0, 0.25, 60.0)
+    tm_of(request)
+    hub = hub_of(request)
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"event: history\ndata: " + orjson.dumps(hub.history()) + b"\n\n"
+        while not await request.is_disconnected():
+            try:
+                sample = await hub.sample(min(FRESH, interval / 2))
+            except RuntimeError as exc:  # ServerUnavailable included
+                yield b"event: error\ndata: " + orjson.dumps({"message": str(exc)}) + b"\n\n"
+                return
+            yield b"event: stats\ndata: " + orjson.dumps(sample) + b"\n\n"
+            await asyncio.sleep(interval)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=EVENT_STREAM_HEADERS)
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page() -> Response:
+    return static_response("dashboard.html")
+
+
+@router.get("/dashboard/static/{name:path}", include_in_schema=False)
+async def dashboard_static(name: str) -> Response:
+    return static_response(name)
