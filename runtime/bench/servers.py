@@ -140,9 +140,9 @@ def llama_cpp_server(log_dir: Path, threads: int, n_ctx: int = 8192) -> ManagedS
     server serialises requests); it reuses the KV of the previous prompt's common prefix by itself.
     ``--interrupt_requests False`` stops a queued request from cancelling the running one; ``--logits_all
     False`` skips computing logits for every prompt position; threads are set explicitly because its
-    default is half the cores."""
+    default is half the cores. It starts through ``llama_cpp_launch``, which avoids its AMX repacking crash."""
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path()), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "runtime.bench.llama_cpp_launch", "--model", str(gguf_path()), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch",
            str(threads), "--interrupt_requests", "False", "--logits_all", "False"]
     return ManagedServer("llamacpp", cmd, port, log_dir / "llamacpp.log", health_path="/v1/models")
