@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request
@@ -39,27 +39,20 @@ def static_response(name: str) -> Response:
     return response
 
 
-def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+N = TypeVar("N", int, float)
+
+
+def query_number(request: Request, name: str, default: N, lo: N, hi: N) -> N:
+    """Query parameter ``name`` as the type of ``default`` (int or float), within [lo, hi]; a 400 otherwise."""
     raw = request.query_params.get(name)
     if raw is None:
         return default
+    kind = type(default)
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise APIError(400, f"{name}: must be an integer, got {raw!r}", name) from None
-    if not lo <= value <= hi:
-        raise APIError(400, f"{name}: must be between {lo} and {hi}, got {value}", name)
-    return value
-
-
-def float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise APIError(400, f"{name}: must be a number, got {raw!r}", name) from None
+        what = "an integer" if kind is int else "a number"
+        raise APIError(400, f"{name}: must be {what}, got {raw!r}", name) from None
     if not lo <= value <= hi:
         raise APIError(400, f"{name}: must be between {lo:g} and {hi:g}, got {value:g}", name)
     return value
@@ -108,8 +101,8 @@ TREE_PARAMS = {"parameters": [
 @router.get("/cache/tree", openapi_extra=TREE_PARAMS,
             summary="The radix tree, aggregated to at most max_nodes nodes (read-only)")
 async def cache_tree(request: Request) -> Response:
-    max_nodes = int_param(request, "max_nodes", 500, 2, MAX_NODES)
-    min_tokens = int_param(request, "min_tokens", 1, 0, 2**31 - 1)
+    max_nodes = query_number(request, "max_nodes", 500, 2, MAX_NODES)
+    min_tokens = query_number(request, "min_tokens", 1, 0, 2**31 - 1)
     tm = tm_of(request)
     reply = await tm.control("cache_tree", {"max_nodes": max_nodes, "min_tokens": min_tokens})
     if not reply.ok:
@@ -129,7 +122,7 @@ async def dashboard_stats(request: Request) -> Response:
 
 @router.get("/dashboard/stream", include_in_schema=False)  # endless SSE: documented in docs/ARCHITECTURE.md
 async def dashboard_stream(request: Request) -> Response:
-    interval = float_param(request, "interval", 1.0, 0.25, 60.0)
+    interval = query_number(request, "interval", 1.0, 0.25, 60.0)
     tm_of(request)
     hub = hub_of(request)
 
