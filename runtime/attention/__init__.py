@@ -4,7 +4,8 @@
 * ``flashinfer`` (``flashinfer.py``): FlashInfer's paged kernels, CUDA only, from the optional ``gpu`` extra.
 * ``invariant`` (``invariant.py``): batch-invariant CPU kernels, chosen by ``--enable-deterministic-inference``.
 * ``auto``: flashinfer on a CUDA device when the package imports, the dtype is 16-bit (its kernels have
-  no fp32 variant) and the head dim is one its kernels are built for; torch_native otherwise.
+  no fp32 variant) and the head dim is one its kernels are built for; torch_native otherwise. Naming
+  ``flashinfer`` explicitly runs the same dtype / head-dim checks and fails at start-up when they fail.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import logging
 import torch
 
 from runtime.attention.base import AttentionBackend, AttentionShape
+from runtime.attention.flashinfer_setup import FLASHINFER_DTYPES, FLASHINFER_HEAD_DIMS, check_flashinfer_usable
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch_native", "flashinfer", "invariant")
-FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache
@@ -40,12 +40,9 @@ def auto_backend_name(device: torch.device | str, dtype: torch.dtype | None = No
     device = torch.device(device)
     if device.type != "cuda":
         return "torch_native"
-    if dtype is not None and dtype not in FLASHINFER_DTYPES:
-        logger.info("attention backend auto -> torch_native: flashinfer has no %s kernels", dtype)
-        return "torch_native"
-    if shape is not None and shape.head_dim not in FLASHINFER_HEAD_DIMS:
-        logger.info("attention backend auto -> torch_native: head dim %d is not one of flashinfer's %s",
-                    shape.head_dim, FLASHINFER_HEAD_DIMS)
+    unusable = check_flashinfer_usable(dtype, shape.head_dim if shape is not None else None)
+    if unusable is not None:
+        logger.info("attention backend auto -> torch_native: %s", unusable)
         return "torch_native"
     error = flashinfer_import_error()
     if error is not None:
@@ -69,9 +66,14 @@ def make_attention_backend(name: str, shape: AttentionShape, device: torch.devic
 
         return TorchNativeBackend(shape, device)
     if name == "flashinfer":
+        # the checks "auto" makes, as a clear error (on a non-CUDA device the backend's own error says more)
+        unusable = check_flashinfer_usable(dtype, shape.head_dim) if device.type == "cuda" else None
+        if unusable is not None:
+            raise ValueError(f"--attention-backend flashinfer cannot run this model: {unusable}; or choose "
+                             "--attention-backend torch_native")
         from runtime.attention.flashinfer import FlashInferBackend
 
-        return FlashInferBackend(shape, device)
+        return FlashInferBackend(shape, device, dtype)
     if name == "invariant":
         from runtime.attention.invariant import InvariantAttentionBackend
 
@@ -81,6 +83,8 @@ def make_attention_backend(name: str, shape: AttentionShape, device: torch.devic
 
 __all__ = [
     "BACKEND_NAMES",
+    "FLASHINFER_DTYPES",
+    "FLASHINFER_HEAD_DIMS",
     "AttentionBackend",
     "AttentionShape",
     "auto_backend_name",

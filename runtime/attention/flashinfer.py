@@ -17,6 +17,11 @@ decode uses the tensor-core kernels for group sizes above 4, where the CUDA-core
 instantiated or slower. Kernels are JIT-compiled by FlashInfer at first use (minutes, cached on disk
 afterwards). On Hopper (sm90) the FA2 kernels are requested explicitly: ``auto`` would pick FA3.
 
+Start-up (``flashinfer_setup``): the dtype and head dim are checked (as ``auto`` does), nvcc must be found
+unless FlashInfer's prebuilt kernels are installed, and the float workspace is sized from the model's head
+counts and the device's SM count. Every ``plan()`` goes through a ``PlanGuard``: a wrapper is re-planned only
+once the host-to-device copy of its previous plan has run.
+
 CUDA graphs (``runtime.executor.cuda_graph``) use :meth:`init_cuda_graph_state` and
 :meth:`plan_cuda_graph`: one decode wrapper per captured batch size over shared, fixed index buffers,
 re-planned (outside the graph) before every replay.
@@ -31,9 +36,9 @@ import torch
 
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.flashinfer_plan import FlashInferPlan, pad_plan, plan_batch
+from runtime.attention.flashinfer_setup import PlanGuard, check_flashinfer_usable, float_workspace_bytes, require_nvcc
 from runtime.executor.forward_batch import ForwardBatch
 
-WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
 TENSOR_CORE_MIN_GROUP = 5  # query heads per KV head from which decode uses the tensor-core kernels
 
 
@@ -62,7 +67,7 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, shape: AttentionShape, device: torch.device | str = "cuda",
-                 workspace_bytes: int = WORKSPACE_BYTES):
+                 dtype: torch.dtype | None = None, workspace_bytes: int | None = None):
         super().__init__(shape)
         device = torch.device(device)
         if device.type != "cuda":
@@ -73,14 +78,23 @@ class FlashInferBackend(AttentionBackend):
                                "here; use --attention-backend torch_native")
         if shape.num_heads % shape.num_kv_heads:
             raise ValueError(f"{shape.num_heads} query heads is not a multiple of {shape.num_kv_heads} kv heads")
+        unusable = check_flashinfer_usable(dtype, shape.head_dim)
+        if unusable is not None:
+            raise RuntimeError(f"--attention-backend flashinfer cannot run this model: {unusable}; or choose "
+                               "--attention-backend torch_native")
         self.fi = import_flashinfer()
+        require_nvcc()
         self.device = device
         self.group = shape.num_heads // shape.num_kv_heads
         self.use_tensor_cores = self.group >= TENSOR_CORE_MIN_GROUP
         major, _minor = torch.cuda.get_device_capability(device)
         self.kernel_backend = "fa2" if major == 9 else "auto"
+        if workspace_bytes is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            workspace_bytes = float_workspace_bytes(shape.num_heads, shape.num_kv_heads, shape.head_dim, sms)
         # One float workspace shared by every wrapper: only one kernel runs at a time on the stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self.plan_guard = PlanGuard(torch.cuda.Event)
         self.decode_wrapper = self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=self.kernel_backend)
         self.prefill_wrapper = self.fi.BatchPrefillWithPagedKVCacheWrapper(
@@ -101,6 +115,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan_wrapper(self, wrapper: Any, plan: FlashInferPlan, dtype: torch.dtype) -> None:
         s, kv = self.shape, plan.kv
+        self.plan_guard.before_plan(wrapper)
         if plan.is_decode:
             wrapper.plan(kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, s.num_heads, s.num_kv_heads,
                          s.head_dim, kv.page_size, q_data_type=dtype, kv_data_type=dtype, sm_scale=s.scale,
@@ -109,6 +124,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(plan.qo_indptr, kv.kv_indptr, kv.kv_indices, kv.kv_last_page_len, s.num_heads,
                          s.num_kv_heads, s.head_dim, kv.page_size, causal=True, sm_scale=s.scale,
                          q_data_type=dtype, kv_data_type=dtype, non_blocking=True)
+        self.plan_guard.after_plan(wrapper)
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -1,21 +1,19 @@
 """Where a scheduler step's time goes, measured in-process on a representative few-shot batch.
 
-The step is the one ``Scheduler.step`` runs, taken apart with a timer between its parts:
+The step is the normal loop's, driven through the Scheduler's public steps with a timer between them:
 
-- scheduling: decode room + KV slots for running requests + admission of waiting prompts (prefix match);
-- batch building: ``build_step`` (token ids, positions, KV slot indices -> a ForwardBatch);
-- model forward: ``ModelRunner.forward`` (attention planning, the layers, logits of the sampled rows);
-- sampling: ``Sampler.sample`` (timed by wrapping it while ``_process`` runs);
-- result processing: the rest of ``_process`` (stop checks, cache inserts, outputs).
+- scheduling + batch building: ``schedule_next()`` (decode room, KV slots for running requests, admission
+  with prefix match, then ``build_step``, whose share ``ForwardInput.build_seconds`` reports);
+- model forward: ``launch()`` (attention planning, the layers, logits of the sampled rows) minus sampling;
+- sampling: ``Sampler.sample`` (timed by wrapping it while ``launch`` runs; an all-greedy batch takes its
+  argmax on the device inside the forward, and then shows none);
+- result processing: ``process()`` (stop checks, cache inserts, outputs).
 
 Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
 ~1,000-token block, first request), a mixed step (7 questions admitted with their prefix cached + 1 decode)
 and plain decode steps of 8 requests at ~1,050 tokens of context. IPC is a ZMQ PUSH/PULL round trip
 (ipc://, pickle protocol 5, as ``runtime.ipc``) of a BatchTokenOut with 64 outputs: the message a step
 sends to the detokenizer at batch 64.
-
-The step is assembled from the scheduler's own parts (``_schedule``, ``build_step``, ``forward``, ``_process``)
-in ``Scheduler.step``'s order; nothing else is changed.
 """
 
 from __future__ import annotations
@@ -32,40 +30,36 @@ PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch buil
 
 
 def timed_step(sched: Any) -> dict[str, float] | None:
-    """One ``Scheduler.step`` with each part timed (seconds); None when there was nothing to run."""
-    from runtime.scheduler.batch import build_step
+    """One normal-loop step with each part timed (seconds); None when there was nothing to run."""
+    spent = {"sampling": 0.0}
 
-    sampled = [0.0]
-    original: Callable[..., Any] = sched.sampler.sample
-
-    def sample(*args: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return original(*args, **kw)
-        finally:
-            sampled[0] += time.perf_counter() - t
+    def timing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return wrapped
 
     t0 = time.perf_counter()
-    sched._collect_grammars()
-    sched._pending = []
-    plans, prefills = sched._schedule()
-    if not plans:
+    sched.pop_outputs()
+    inp = sched.schedule_next()
+    if inp is None:
         return None
     t1 = time.perf_counter()
-    sb = build_step(plans, sched.runner)
-    t2 = time.perf_counter()
-    logits = sched.runner.forward(sb.forward, sb.logit_rows)
-    t3 = time.perf_counter()
-    sched.sampler.sample = sample  # instance attribute shadows the method for this call only
+    sched.sampler.sample = timing("sampling", sched.sampler.sample)  # instance attribute shadows the method
     try:
-        sched._process(sb, logits)
+        out = sched.launch(inp)
     finally:
         del sched.sampler.sample
-    t4 = time.perf_counter()
-    sched.stats.record_step(len(plans) - len(prefills), sum(p.extend for p in prefills), t4 - t0)
-    return {"scheduling": t1 - t0, "batch_build": t2 - t1, "forward": t3 - t2, "sampling": sampled[0],
-            "process": t4 - t3 - sampled[0], "total": t4 - t0, "decodes": float(len(plans) - len(prefills)),
-            "prefill_tokens": float(sum(p.extend for p in prefills))}
+    t2 = time.perf_counter()
+    sched.process(out)
+    t3 = time.perf_counter()
+    sched.stats.record_step(inp.num_decodes, inp.prefill_tokens, t3 - t0)
+    return {"scheduling": t1 - t0 - inp.build_seconds, "batch_build": inp.build_seconds,
+            "forward": t2 - t1 - spent["sampling"], "sampling": spent["sampling"], "process": t3 - t2,
+            "total": t3 - t0, "decodes": float(inp.num_decodes), "prefill_tokens": float(inp.prefill_tokens)}
 
 
 def ipc_round_trip(outputs: int = 64, iters: int = 300) -> dict[str, float]:

@@ -116,6 +116,11 @@ class ModelRunner:
             pass
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    @property
+    def max_requests(self) -> int:
+        """Rows of the request-to-token table (requests that can hold KV at once)."""
+        return int(self.req_to_token.table.shape[0])
+
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture; empty when graphs are off (CPU, the flag, or the backend)."""

@@ -1,10 +1,31 @@
-"""Scheduler: continuous batching over the prefix cache, one ``step()`` at a time.
+"""Scheduler: continuous batching over the prefix cache, as three typed steps and two loops over them.
 
-A step: every running request gets a slot for its next token (retracting requests when KV runs out),
-admission fills the rest of the step's token budget with waiting prompts (or the next chunk of a long
-one), one forward pass runs the mixed batch, tokens are sampled, and finished requests hand their KV to
-the cache. The same class runs inside the server's scheduler process and inside the in-process Engine;
-it knows nothing about transports.
+* ``schedule_next() -> ForwardInput | None``: every running request gets a slot for its next token
+  (retracting requests when KV runs out), admission fills the rest of the step's token budget with waiting
+  prompts (or the next chunk of a long one), and the plans become one batch.
+* ``launch(input) -> ForwardOutput``: the batch's forward pass and sampling go to the ``ForwardWorker``.
+* ``process(output) -> list[ReqOutput]``: tokens are applied, stop conditions checked, finished requests
+  hand their KV to the cache.
+
+``step()`` runs one iteration of the loop in force; both are below, side by side. The normal loop does the
+three in order. The overlap loop (default on CUDA, ``--enable-overlap-schedule`` on CPU) launches batch
+N+1 *before* processing batch N, so the device never waits for the CPU's scheduling and bookkeeping:
+
+    schedule N+1  (N's samplers continue; their input token is read on the device, see batch.py)
+    launch N+1    (queued behind N on the worker)
+    process N
+
+A request that finishes in N (EOS, stop string) already has a row in N+1: that row is discarded when
+N+1 is processed (``stats.discarded_rows``). Its KV — the token whose K/V the discarded row writes
+included — goes to the cache when N is processed: batches run in order on the worker, so any later
+reader or writer of those slots runs after N+1. Requests that will certainly finish by length are not
+scheduled again. Some steps process N first (``stats.lockstep_steps``): when the next step would retract
+(retraction must see N's finishes), when a request's sampling reads the previous token's value
+(penalties, grammar), when N holds a chunk of a longer prompt, and before any control operation
+(``drain``: abort, flush, integrity checks, server info). Outputs equal the normal loop's for greedy and
+seeded sampling; numerics that depend on batch shape may differ in the last bits (bit equality is a
+promise of ``--enable-deterministic-inference``). The same class runs in the server's scheduler process
+and in the in-process Engine; it knows nothing about transports.
 """
 
 from __future__ import annotations
@@ -12,10 +33,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
-
-import torch
 
 from radix.base import PrefixCache
 from radix.naive_cache import NaiveCache
@@ -23,18 +43,33 @@ from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
 from runtime.executor.model_runner import ModelRunner
-from runtime.executor.sampler import SampleResult, make_sampler
+from runtime.executor.sampler import SamplingRow, make_sampler
+from runtime.executor.worker import ForwardWorker, WorkItem
 from runtime.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
-from runtime.scheduler.batch import StepBatch, build_step
-from runtime.scheduler.overlap import OverlapScheduler, overlap_enabled
+from runtime.scheduler.batch import build_step, snapshot_table
+from runtime.scheduler.forward_io import (
+    ForwardInput,
+    ForwardOutput,
+    SampleRowSnapshot,
+    continuing_requests,
+    must_process_first,
+)
 from runtime.scheduler.policy import make_schedule_policy
 from runtime.scheduler.req import Req
+from runtime.scheduler.results import record_prompt_logprobs, status_report
 from runtime.scheduler.stats import SchedulerStats
 from runtime.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 DECODE_LOG_INTERVAL = 40
+
+
+def overlap_enabled(args: ServerArgs, device: Any) -> bool:
+    """On by default on CUDA; on CPU only with ``--enable-overlap-schedule``; never with the disable flag."""
+    if args.disable_overlap_schedule:
+        return False
+    return getattr(device, "type", str(device)) == "cuda" or args.enable_overlap_schedule
 
 
 class Scheduler:
@@ -61,10 +96,13 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.stats = SchedulerStats()
-        self._pending: list[ReqOutput] = []
+        self._pending: list[ReqOutput] = []  # outputs produced between steps (early finishes, aborts)
         self._decode_steps = 0
-        # Overlap scheduling (overlap.py): step N+1 is prepared while step N runs on a worker.
-        self.overlap = OverlapScheduler(self) if overlap_enabled(args, runner.device) else None
+        self.overlap = overlap_enabled(args, runner.device)
+        self._inflight: ForwardOutput | None = None  # overlap loop: the batch launched and not yet processed
+        self._ahead: frozenset[int] = frozenset()  # id() of requests whose input token is still being sampled
+        self.worker = ForwardWorker(runner, self.sampler, threaded=self.overlap)
+        weakref.finalize(self, self.worker.close)  # the worker thread ends with its scheduler
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
@@ -114,7 +152,7 @@ class Scheduler:
 
     def abort(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
         """Remove ``rid`` from the queue or the running batch and free its KV; False if unknown."""
-        self._drain_overlap()
+        self.drain()
         for req in self.waiting + [r for r, _ in self.compiling]:
             if req.rid == rid:
                 if req in self.waiting:
@@ -140,11 +178,18 @@ class Scheduler:
         self.stats.finished += 1
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Hand the request's KV to the cache: every token whose K/V is computed or being computed by a
+        launched batch (``kv_len`` counts those slots)."""
         req.finished = reason
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, req.tokens[: req.kv_len])
             req.kv = None
         self.stats.finished += 1
+
+    def pop_outputs(self) -> list[ReqOutput]:
+        """Outputs produced between steps (early finishes, aborts); ``step()`` returns them too."""
+        out, self._pending = self._pending, []
+        return out
 
     @property
     def idle(self) -> bool:
@@ -154,44 +199,98 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """A step would do work now (otherwise only grammar compilations are pending)."""
-        return bool(self.waiting or self.running or self.chunked or self._pending
-                    or (self.overlap is not None and self.overlap.inflight is not None))
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight is not None)
+
+    @property
+    def inflight(self) -> ForwardOutput | None:
+        """The overlap loop's launched, unprocessed batch (None between steps of the normal loop)."""
+        return self._inflight
+
+    def inflight_requests(self) -> list[Req]:
+        return self._inflight.input.requests() if self._inflight is not None else []
 
     def holders(self) -> list[Req]:
         return [r for r in self.running + ([self.chunked] if self.chunked else []) if r.kv is not None]
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ the two loops
     def step(self) -> list[ReqOutput]:
-        if self.overlap is not None:
-            return self.overlap.step()
-        t0 = time.perf_counter()
-        self._collect_grammars()
-        outputs, self._pending = self._pending, []
-        plans, prefills = self._schedule()
-        if not plans:
-            return outputs
-        sb = build_step(plans, self.runner)
-        logits = self.runner.forward(sb.forward, sb.logit_rows)
-        outputs += self._process(sb, logits)
-        self.stats.record_step(len(plans) - len(prefills), sum(p.extend for p in prefills), time.perf_counter() - t0)
-        self._log_step(prefills, len(plans) - len(prefills))
+        """One iteration of the loop in force (overlap or normal)."""
+        return self._overlap_step() if self.overlap else self._normal_step()
+
+    def _normal_step(self) -> list[ReqOutput]:
+        outputs = self.pop_outputs()
+        inp = self.schedule_next()
+        if inp is not None:
+            outputs += self.process(self.launch(inp))
+            self._record(inp)
         return outputs
 
-    def _schedule(self) -> tuple[list[PrefillPlan], list[PrefillPlan]]:
-        """The next batch's plans (a decode slot for every running request, then admitted prefills) and,
-        separately, the prefills."""
+    def _overlap_step(self) -> list[ReqOutput]:
+        outputs = self.pop_outputs()
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            continuing = continuing_requests(prev.input, self.runner.context_length)
+            if must_process_first(prev.input, continuing, self.cache):
+                self.stats.lockstep_steps += 1
+                outputs += self.process(prev)
+                prev = None
+            else:
+                self.running, self._ahead = continuing, frozenset(id(r) for r in continuing)
+        try:
+            inp = self.schedule_next()
+        finally:
+            self._ahead = frozenset()
+        if inp is not None:
+            self._inflight = self.launch(inp)
+        if prev is not None:
+            outputs += self.process(prev)
+        if inp is not None:
+            self._record(inp)
+        return outputs
+
+    def drain(self) -> None:
+        """Process the overlap loop's in-flight batch now (its outputs come with the next step), so control
+        operations see every request where the normal loop would have it."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._pending += self.process(prev)
+
+    def close(self) -> None:
+        self.drain()
+        self.worker.close()
+
+    def _record(self, inp: ForwardInput) -> None:
+        self.stats.record_step(inp.num_decodes, inp.prefill_tokens, time.perf_counter() - inp.started)
+        self._log_step(inp.prefills, inp.num_decodes)
+
+    # ------------------------------------------------------------------ 1. schedule
+    def schedule_next(self) -> ForwardInput | None:
+        """The next batch: a decode slot for every running request, then admitted prefills (None: no work)."""
+        t0 = time.perf_counter()
+        self._collect_grammars()
         self._make_decode_room()
         plans = [PrefillPlan(r, 1) for r in self.running]
         for plan in plans:
             assert plan.req.kv is not None
             self.cache.alloc_tokens(plan.req.kv, 1)
-        prefills = self._admit(len(plans))
-        return plans + prefills, prefills
-
-    def _drain_overlap(self) -> None:
-        """Apply an in-flight overlap batch now, so control operations see lockstep state."""
-        if self.overlap is not None:
-            self._pending += self.overlap.drain()
+        num_decodes = len(plans)
+        plans += self._admit(num_decodes)
+        if not plans:
+            return None
+        ahead = self._ahead
+        t_build = time.perf_counter()
+        step = build_step(plans, self.runner, ahead)
+        sample_idx = [i for i in step.sample_rows
+                      if plans[i].req.remaining_new_tokens() - (id(plans[i].req) in ahead) > 0]
+        reqs = [plans[i].req for i in sample_idx]
+        rows: list[SamplingRow] = list(reqs)
+        if self.overlap:  # sampled on the worker thread while this thread keeps changing the requests
+            snapshot_table(step.forward)
+            rows = [SampleRowSnapshot.of(r, id(r) in ahead) for r in reqs]
+        work = WorkItem(step.forward, step.logit_rows, [step.sample_rows[i] for i in sample_idx], rows,
+                        [r.kv.row for r in reqs if r.kv is not None], step.fill_positions, step.fill_rows,
+                        all_logits=bool(step.prompt_rows))
+        return ForwardInput(step, work, sample_idx, num_decodes, t0, ahead, time.perf_counter() - t_build)
 
     def _make_decode_room(self) -> None:
         """Retract running requests until every remaining one can get its next token's slot."""
@@ -202,7 +301,7 @@ class Scheduler:
                 return
             victim = self.policy.retraction_victim(self.running)
             self.running.remove(victim)
-            assert victim.kv is not None
+            assert victim.kv is not None and id(victim) not in self._ahead
             self.cache.release_req(victim.kv)
             victim.kv = None
             victim.retractions += 1
@@ -230,22 +329,31 @@ class Scheduler:
                     self.waiting.remove(req)
         return adder.plans
 
-    # ------------------------------------------------------------------ results
-    def _process(self, sb: StepBatch, logits: torch.Tensor, sampled: SampleResult | None = None) -> list[ReqOutput]:
-        """Apply a step's results. ``sampled``: tokens already drawn for the sampled rows (overlap mode)."""
-        plans = sb.plans
-        sample_idx = [i for i in sb.sample_rows if plans[i].req.remaining_new_tokens() > 0]
-        result = sampled
-        if sample_idx and result is None:
-            rows = torch.tensor([sb.sample_rows[i] for i in sample_idx])
-            result = self.sampler.sample(logits.index_select(0, rows), [plans[i].req for i in sample_idx])
-        drawn = {i: k for k, i in enumerate(sample_idx)}
-        self._prompt_logprobs(sb, logits)
-        running_ids = {id(r) for r in self.running}
+    # ------------------------------------------------------------------ 2. launch
+    def launch(self, inp: ForwardInput) -> ForwardOutput:
+        """Hand the batch to the worker: run now (normal loop) or queued behind the batch in flight."""
+        return ForwardOutput(inp, self.worker.submit(inp.work))
+
+    # ------------------------------------------------------------------ 3. process
+    def process(self, out: ForwardOutput) -> list[ReqOutput]:
+        """Apply a launched batch's results (waiting for them). Plans of requests that finished or were
+        aborted after the batch was built are skipped: their rows are discarded."""
+        inp = out.input
+        result = out.handle.wait()
+        plans = inp.plans
+        live = {i for i, p in enumerate(plans) if p.req.finished is None}
+        self.stats.discarded_rows += len(plans) - len(live)
+        drawn = {i: k for k, i in enumerate(inp.sample_idx) if i in live}
+        assert sorted(drawn) == [i for i in sorted(inp.step.sample_rows) if i in live
+                                 and plans[i].req.remaining_new_tokens() > 0], "sampled rows disagree"
+        record_prompt_logprobs(inp.step, result.logits, self.sampler, live)
+        sampled = result.sampled
+        # requests holding a slot in the batch launched after this one: the cache sees their lockstep length
+        ahead = self._inflight.input.ahead if self._inflight is not None else frozenset()
         still_running: list[Req] = []
         outputs: list[ReqOutput] = []
-        for i, plan in enumerate(plans):
-            req = plan.req
+        for i in sorted(live):
+            req = plans[i].req
             assert req.kv is not None
             if req.kv_len < req.fill_len:  # a chunk of a longer prompt
                 self.cache.cache_unfinished_req(req.kv, req.tokens[: req.kv_len])
@@ -256,90 +364,51 @@ class Scheduler:
                 self.chunked = None
             req.input_logprobs_done = True
             finish: FinishReason | None
-            if i in drawn and result is not None:
+            if i in drawn and sampled is not None:
                 k = drawn[i]
-                token = result.token_ids[k]
+                token = sampled.token_ids[k]
                 req.append_token(token)
                 if req.grammar is not None and not req.grammar.accept_token(token):
                     self._finish(req, FinishReason("abort", message=f"token {token} violates the grammar"))
                     outputs.append(req.take_output())
                     continue
                 if req.return_logprob:
-                    lp = result.logprobs[k]
+                    lp = sampled.logprobs[k]
                     req.pending_output_logprobs.append((float(lp) if lp is not None else 0.0, token))
                     if req.top_logprobs_num:
-                        req.pending_output_top.append(result.top_logprobs[k] or [])
+                        req.pending_output_top.append(sampled.top_logprobs[k] or [])
                 finish = self.stop.check(req)
             else:
                 finish = FinishReason("length", length=len(req.output_ids))
             if finish is not None:
                 self._finish(req, finish)
             else:
-                if id(req) not in running_ids:
-                    self.cache.cache_unfinished_req(req.kv, req.tokens[: req.kv_len])
+                if i >= inp.num_decodes:  # its prompt is complete: cache it now, others may hit it
+                    self.cache.cache_unfinished_req(req.kv, req.tokens[: req.kv_len - (id(req) in ahead)])
                 still_running.append(req)
             if req.finished is not None or req.stream:
                 outputs.append(req.take_output())
         self.running = still_running
         return outputs
 
-    def _prompt_logprobs(self, sb: StepBatch, logits: torch.Tensor) -> None:
-        for plan in sb.plans:
-            req = plan.req
-            if req.wants_prompt_logprobs and req.prompt_logprob_start == 0 and not req.first_input_logprob_added:
-                # the first prompt token has no context, so no logprob (SGLang reports None)
-                req.pending_input_logprobs.append((None, req.tokens[0]))
-                req.pending_input_top.append(None)
-                req.first_input_logprob_added = True
-        for pr in sb.prompt_rows:
-            req = sb.plans[pr.plan].req
-            logp = self.sampler.log_softmax(logits[pr.rows[0] : pr.rows[-1] + 1])
-            targets = torch.tensor([req.tokens[p + 1] for p in pr.positions])
-            vals = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-            for j, p in enumerate(pr.positions):
-                req.pending_input_logprobs.append((vals[j], req.tokens[p + 1]))
-                if req.top_logprobs_num:
-                    tv, ti = torch.topk(logp[j], req.top_logprobs_num)
-                    req.pending_input_top.append(list(zip(tv.tolist(), ti.tolist())))
-
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are queued or running."""
-        self._drain_overlap()
+        self.drain()
         if not self.idle:
             return False
         self.cache.reset()
         return True
 
     def check_integrity(self) -> dict[str, int]:
-        self._drain_overlap()
+        self.drain()
         return self.cache.check_integrity([r.kv for r in self.holders() if r.kv is not None])
 
     def server_info(self) -> dict[str, Any]:
         """Queue sizes, KV accounting (checked), cache and scheduler statistics."""
-        self._drain_overlap()
-        cs = self.cache.stats()
-        return {
-            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
-            "num_waiting_reqs": len(self.waiting),
-            "kv": self.check_integrity(),
-            "cache": {
-                "enabled": not isinstance(self.cache, NaiveCache),
-                "hit_tokens": cs.hit_tokens,
-                "miss_tokens": cs.miss_tokens,
-                "hit_rate": round(cs.hit_rate, 4),
-                "cached_tokens": cs.cached_tokens,
-                "num_nodes": cs.num_nodes,
-                "evictable_size": cs.evictable_size,
-                "protected_size": cs.protected_size,
-                "evicted_tokens": cs.evicted_tokens,
-                "eviction_policy": self.cache.eviction_policy,
-                "page_size": self.cache.page_size,
-            },
-            "scheduler": {**self.stats.as_dict(), "schedule_policy": self.policy.name,
-                          "queue_reorders": self.policy.reorders},
-            "new_token_ratio": round(self.ratio.value, 4),
-        }
+        self.drain()
+        return status_report(self.cache, self.stats, self.policy, self.ratio.value,
+                             len(self.running) + (1 if self.chunked else 0), len(self.waiting), self.check_integrity())
 
     def _log_step(self, prefills: list[PrefillPlan], decodes: int) -> None:
         if prefills:

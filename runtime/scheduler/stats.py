@@ -17,6 +17,8 @@ class SchedulerStats:
     forward_seconds: float = 0.0
     prefill_chunks: int = 0  # prompt chunks that left the rest of their prompt for a later step
     max_step_prefill_tokens: int = 0  # most prompt tokens computed by one step
+    lockstep_steps: int = 0  # overlap loop: steps that processed the batch in flight before scheduling
+    discarded_rows: int = 0  # overlap loop: rows computed for requests that had finished one step earlier
     # (time, decode tokens) of recent steps, for a moving throughput figure
     _recent: deque = field(default_factory=lambda: deque(maxlen=64))
     # (batch size, seconds) of recent decode-only steps: the per-step cost benchmarks report
@@ -48,5 +50,7 @@ class SchedulerStats:
             "forward_seconds": round(self.forward_seconds, 3),
             "prefill_chunks": self.prefill_chunks,
             "max_step_prefill_tokens": self.max_step_prefill_tokens,
+            "lockstep_steps": self.lockstep_steps,
+            "discarded_rows": self.discarded_rows,
             "decode_tokens_per_s": round(self.decode_throughput(), 2),
         }

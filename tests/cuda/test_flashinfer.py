@@ -16,6 +16,7 @@ from runtime.attention.base import AttentionShape
 from runtime.attention.flashinfer_plan import build_paged_kv_index, plan_batch
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.executor.forward_batch import build_forward_batch
+from tests.cuda.bf16 import REFERENCE, assert_bf16_agree
 
 pytestmark = pytest.mark.cuda
 
@@ -130,13 +131,14 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
            "List three prime numbers:", "Once upon a time"]
 
 
-def greedy(engine, n: int = 12) -> list[list[int]]:
-    outs = engine.generate(PROMPTS, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-    return [o["output_ids"] for o in outs]
+def greedy(engine, n: int = 12) -> list[dict]:
+    """Greedy results with their top-2 logprobs (references for the float-aware oracle)."""
+    return engine.generate(PROMPTS, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}, **REFERENCE)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_smollm2_greedy_tokens_equal_across_backends(page_size):
+def test_smollm2_greedy_agrees_across_backends(page_size):
+    """bf16 kernels that sum in another order may flip a near-tie: the oracle (tests/cuda/bf16.py) decides."""
     pytest.importorskip("flashinfer")
     from runtime.engine import Engine
 
@@ -148,7 +150,7 @@ def test_smollm2_greedy_tokens_equal_across_backends(page_size):
         assert e.runner.attn_backend.name == "flashinfer"
         got = greedy(e)
         report = e.check_integrity()
-    assert got == ref
+    assert_bf16_agree(ref, got, "flashinfer vs torch_native")
     assert report["private"] == 0 and report["protected"] == 0
 
 

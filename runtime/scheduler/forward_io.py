@@ -1,0 +1,105 @@
+"""The typed hand-offs of one scheduler step: ``schedule_next() -> ForwardInput``, ``launch(ForwardInput) ->
+ForwardOutput``, ``process(ForwardOutput) -> list[ReqOutput]`` (see ``scheduler.py``), and the overlap loop's
+decisions about the batch in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radix.base import PrefixCache
+from runtime.executor.worker import WorkHandle, WorkItem
+from runtime.scheduler.admission import PrefillPlan
+from runtime.scheduler.batch import StepBatch
+from runtime.scheduler.req import Req
+
+
+@dataclass
+class ForwardInput:
+    """A scheduled batch: its plans (KV slots already allocated) and what the device runs for it."""
+
+    step: StepBatch
+    work: WorkItem
+    sample_idx: list[int]  # plan indices sampled in this batch, in order (= rows of the sampled tokens)
+    num_decodes: int  # the first ``num_decodes`` plans are running requests' decodes, the rest prefills
+    started: float  # perf_counter() when scheduling began
+    ahead: frozenset[int] = frozenset()  # id() of requests whose input token the previous batch samples
+    build_seconds: float = 0.0  # of scheduling, the time spent turning the plans into tensors
+
+    @property
+    def plans(self) -> list[PrefillPlan]:
+        return self.step.plans
+
+    @property
+    def prefills(self) -> list[PrefillPlan]:
+        return self.step.plans[self.num_decodes :]
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(p.extend for p in self.prefills)
+
+    def requests(self) -> list[Req]:
+        return [p.req for p in self.step.plans]
+
+
+@dataclass
+class ForwardOutput:
+    """A launched batch: ``handle.wait()`` gives its logits and sampled tokens."""
+
+    input: ForwardInput
+    handle: WorkHandle
+
+
+@dataclass
+class SampleRowSnapshot:
+    """A request's sampling inputs as of the step being built (``Sampler`` reads these attributes), for a
+    batch sampled on the worker thread while the scheduler keeps changing the request.
+
+    ``output_ids`` is a copy whose length counts a token still being sampled by the batch in flight (a
+    placeholder value the sampler never reads: requests whose sampling reads output values run in lockstep,
+    see :func:`needs_previous_token`)."""
+
+    sampling: Any
+    seed: int
+    output_ids: list[int]
+    input_ids: list[int]
+    eos_ids: frozenset[int]
+    return_logprob: bool
+    top_logprobs_num: int
+    grammar: Any
+
+    @classmethod
+    def of(cls, req: Req, ahead: bool) -> SampleRowSnapshot:
+        out = [*req.output_ids, 0] if ahead else list(req.output_ids)
+        return cls(req.sampling, req.seed, out, req.input_ids, req.eos_ids, req.return_logprob,
+                   req.top_logprobs_num, req.grammar)
+
+
+def needs_previous_token(req: Req) -> bool:
+    """Sampling this request's next token reads its previous tokens' values (not just their number)."""
+    return req.grammar is not None or req.sampling.has_penalties
+
+
+def continuing_requests(prev: ForwardInput, context_length: int) -> list[Req]:
+    """Requests sampled in ``prev`` that decode next unless ``prev``'s token stops them."""
+    out = []
+    for i in prev.sample_idx:
+        req = prev.plans[i].req
+        if req.finished is not None:  # finished after prev was built: its row there is discarded
+            continue
+        if len(req.output_ids) + 1 >= req.sampling.max_new_tokens or len(req.tokens) + 1 >= context_length:
+            continue  # certainly finishes by length at prev
+        out.append(req)
+    return out
+
+
+def must_process_first(prev: ForwardInput, continuing: list[Req], cache: PrefixCache) -> bool:
+    """The overlap loop must process ``prev`` before scheduling the next batch (a lockstep step)."""
+    if any(needs_previous_token(r) for r in continuing):
+        return True
+    # A prompt chunk in flight: its request continues (and its cache insert happens) only once the chunk is
+    # processed, and admission must not start a second chunked prompt meanwhile.
+    if any(p.req.kv is not None and p.req.kv_len < p.req.fill_len for p in prev.plans):
+        return True
+    ps = cache.page_size  # Scheduler._make_decode_room's test: would the next step retract?
+    return sum(ps for r in continuing if r.kv_len % ps == 0) > cache.available_size
