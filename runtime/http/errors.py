@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -67,15 +67,23 @@ async def parse_json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-def check_types(model: type[BaseModel], body: Any) -> None:
+def validation_failure(exc: ValidationError) -> RequestValidationError:
+    """A pydantic error as the 400 that names the field the client wrote (union member tags left out)."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    for e in errors:
+        e["loc"] = tuple(p for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+    return RequestValidationError(errors)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def check_types(model: type[M], body: Any) -> M:
     """Validate ``body`` against ``model``; a mismatch is a 400 naming the field (RequestValidationError)."""
     try:
-        model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_context=False, include_input=False)
-        for e in errors:
-            e["loc"] = tuple(p for p in e["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
-        raise RequestValidationError(errors) from None
+        raise validation_failure(exc) from None
 
 
 def allowed_methods(request: Request) -> list[str]:

@@ -41,25 +41,16 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise APIError(400, f"{name}: must be a boolean", name)
-    return value
-
-
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     tm = tm_of(request)
     body = await parse_json(request)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_types(GenerateRequest, body)
-    stream = _flag(body, "stream")
-    text_in_lp = _flag(body, "return_text_in_logprobs")
-    prompt_ids = _flag(body, "return_prompt_token_ids")
+    check_types(GenerateRequest, body)  # the flags below are booleans or null from here on
+    stream = bool(body.get("stream"))
+    text_in_lp = bool(body.get("return_text_in_logprobs"))
+    prompt_ids = bool(body.get("return_prompt_token_ids"))
     reject_unsupported(body)
     is_batch, singles = expand(
         text=body.get("text"), input_ids=body.get("input_ids"), sampling_params=body.get("sampling_params"),

@@ -18,13 +18,12 @@ import uuid
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from runtime.generate_input import SingleRequest
 from runtime.http.chat_render import render_chat_request
-from runtime.http.errors import APIError
+from runtime.http.errors import APIError, validation_failure
 from runtime.http.openai_format import (
     AssistantOutput,
     ChoiceStream,
@@ -65,10 +64,10 @@ async def read_request(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_context=False, include_input=False)
-        if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
+        first = exc.errors()[0] if exc.errors() else None
+        if first is not None and first["type"] == "model_type" and not first["loc"]:
             raise APIError(400, "the request body must be a JSON object") from None
-        raise RequestValidationError(errors) from None
+        raise validation_failure(exc) from None
 
 
 def served_model(request: Request, name: str | None) -> str:

@@ -20,11 +20,10 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.http.errors import APIError, parse_json
+from runtime.http.errors import APIError, check_types, parse_json
 from runtime.http.openai_api import assistant_output, chat_inputs, chat_names, fan_out, served_model, tm_of
 from runtime.http.openai_format import (
     CLIENT_CLOSED,
@@ -131,11 +130,7 @@ async def parse(request: Request) -> ResponsesRequest:
             del body[name]
         elif name not in KNOWN:
             raise APIError(400, f"{name}: unknown field", name, "unknown_parameter")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_context=False,
-                                                include_input=False)) from None
+    return check_types(ResponsesRequest, body)
 
 
 # ---------------------------------------------------------------------- intake (see responses_input)
