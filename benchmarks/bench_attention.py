@@ -36,7 +36,7 @@ from radix import PagedAllocator, ReqToTokenPool
 from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.cascade import CascadePolicy
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.loader import attention_shape, load_config, load_model, resolve_model_path
 

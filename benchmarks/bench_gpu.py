@@ -118,7 +118,7 @@ def step_bytes(runner: Any, bs: int, kv_len: float) -> float:
 
 def runner_decode(torch: Any, runner: Any, bs: int, ctx: int, steps: int, warmup: int = 5) -> float:
     """Decode tokens/s of the model step alone (see the module docstring, 1)."""
-    from runtime.executor.forward_batch import build_forward_batch
+    from runtime.core.forward_batch import build_forward_batch
 
     total = ctx + warmup + steps
     rows = [runner.req_to_token.alloc() for _ in range(bs)]
@@ -152,7 +152,7 @@ def runner_decode(torch: Any, runner: Any, bs: int, ctx: int, steps: int, warmup
 
 
 def runner_prefill(torch: Any, runner: Any, batch: int, length: int, reps: int = 5) -> float:
-    from runtime.executor.forward_batch import build_forward_batch
+    from runtime.core.forward_batch import build_forward_batch
 
     rows = [runner.req_to_token.alloc() for _ in range(batch)]
     slots = [runner.allocator.alloc(length) for _ in range(batch)]
@@ -179,7 +179,7 @@ def runner_prefill(torch: Any, runner: Any, batch: int, length: int, reps: int =
 
 def attention_layer(torch: Any, runner: Any, bs: int, ctx: int, reps: int = 50) -> float:
     """Microseconds of one attention layer (plan excluded) over a decode batch of ``bs`` x ``ctx``."""
-    from runtime.executor.forward_batch import build_forward_batch
+    from runtime.core.forward_batch import build_forward_batch
 
     rows = [runner.req_to_token.alloc() for _ in range(bs)]
     slots = [runner.allocator.alloc(ctx + 1) for _ in range(bs)]

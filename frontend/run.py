@@ -32,9 +32,7 @@ _MARK = "\x00"  # never in a real prompt: where a traced argument's value starts
 
 
 def resolve_backend(backend: Any) -> BaseBackend:
-    from frontend import api
-
-    backend = backend if backend is not None else api.get_default_backend()
+    backend = backend if backend is not None else global_config.default_backend
     if backend is None:
         raise ValueError("no backend: pass backend=... or call set_default_backend(...) first")
     backend = getattr(backend, "endpoint", backend)  # a Runtime wraps its endpoint

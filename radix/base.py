@@ -37,7 +37,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,7 +98,6 @@ class ReqKV:
     protected_len: int = 0
     last_node: Any = None
     kv_len: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class PrefixCache(ABC):

@@ -2,7 +2,7 @@
 
 Exact mode compares a request's ids with each worker's real cache, so the ids must be the worker's:
 plain prompts go through ``tokenizer(text).input_ids`` (special tokens added as the worker adds them) and
-chat messages through ``runtime.tokenizer_utils.apply_chat_template`` with the worker's template. The
+chat messages through ``runtime.models.tokenizer.apply_chat_template`` with the worker's template. The
 tokenizer is loaded from a local folder: by default the ``tokenizer_path`` a worker reports in
 ``/get_model_info`` (true when the router runs on the workers' machine, as with ``serve --dp``); for
 remote workers give ``--tokenizer``. The chat template is the one the worker reports, unless

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from runtime.config import ServerArgs
-from runtime.detokenize import DecodeStream
+from runtime.core.messages import ReqOutput, TokenizedRequest
 from runtime.executor.model_runner import ModelRunner
-from runtime.generate_input import SingleRequest, check_single, expand
-from runtime.messages import ReqOutput, TokenizedRequest
 from runtime.models.loader import load_tokenizer
-from runtime.request_state import RequestState
+from runtime.models.tokenizer import eos_token_ids
+from runtime.request.decode_stream import DecodeStream
+from runtime.request.intake import SingleRequest, check_single, expand
+from runtime.request.state import RequestState
 from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer_utils import eos_token_ids
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005

@@ -20,8 +20,8 @@ from typing import Any
 import zmq
 
 from runtime.config import ServerArgs
-from runtime.ipc import Endpoints, ProcessReady, decode, pull
 from runtime.logging_setup import configure_logging
+from runtime.server.ipc import Endpoints, ProcessReady, decode, pull
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT = 900.0
@@ -39,8 +39,8 @@ def served_name(args: ServerArgs, original_model: str) -> str:
 
 class Children:
     def __init__(self, args: ServerArgs, endpoints: Endpoints):
-        from runtime.detokenizer import run_detokenizer_process
-        from runtime.scheduler_process import run_scheduler_process
+        from runtime.server.detokenizer_process import run_detokenizer_process
+        from runtime.server.scheduler_process import run_scheduler_process
 
         ctx = mp.get_context("spawn")
         me = os.getpid()
@@ -94,7 +94,7 @@ def launch_server(args: ServerArgs) -> int:
     from runtime.http.app import create_app
     from runtime.http.uvicorn_server import make_server, run_until_stopped
     from runtime.models.loader import resolve_model_path
-    from runtime.tokenizer_manager import TokenizerManager
+    from runtime.server.tokenizer_manager import TokenizerManager
 
     configure_logging(args.log_level, "server")
     original_model = args.model

@@ -1,6 +1,6 @@
 """exact: the cache_aware rule, with match lengths read from each worker's real cache.
 
-The workers publish their radix-cache events (``--kv-events-port``); ``router.exact.KvEventHub`` mirrors
+The workers publish their radix-cache events (``--kv-events-port``); ``router.kv_mirror.KvEventHub`` mirrors
 every worker's cached blocks, and a request's match on a worker is the prefix the worker's tree would
 report for it. Like the worker, it matches the prompt without its last token (the worker always computes
 at least one token, so that is all it can reuse): with the events caught up, the predicted match equals
@@ -18,7 +18,7 @@ import logging
 from array import array
 from typing import Any
 
-from router.exact import KvEventHub, endpoint_from_info
+from router.kv_mirror import KvEventHub, endpoint_from_info
 from router.policies.base import Choice
 from router.policies.cache_aware import AffinityPolicy
 from router.prefix_tree import common_prefix_len

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import torch
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.flashinfer_plan import FlashInferPlan, pad_plan, plan_batch
 from runtime.attention.flashinfer_setup import PlanGuard, check_flashinfer_usable, float_workspace_bytes, require_nvcc
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 
 TENSOR_CORE_MIN_GROUP = 5  # query heads per KV head from which decode uses the tensor-core kernels
 

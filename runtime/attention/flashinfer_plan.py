@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 
 INDEX_DTYPE = torch.int32  # what FlashInfer's kernels index with
 

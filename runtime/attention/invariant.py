@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from runtime.attention.base import AttentionBackend, AttentionShape
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 
 
 @dataclass

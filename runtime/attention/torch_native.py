@@ -41,7 +41,7 @@ from runtime.attention.cascade import (
     merge_attention_,
 )
 from runtime.attention.paged_decode import paged_decode_kernel
-from runtime.executor.forward_batch import ForwardBatch, ForwardMode
+from runtime.core.forward_batch import ForwardBatch, ForwardMode
 
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
 # entries (a long chunk over a long prefix) memory wins and the mask is bool.

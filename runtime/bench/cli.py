@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.bench.servers import SYSTEMS
 from runtime.bench.workloads import QUICK_PARAMS
 from runtime.bench.workloads import WORKLOADS as GENERATORS
 
-SYSTEMS = ("radixserve", "radixserve-nocache", "transformers", "llamacpp")
 WORKLOADS = tuple(GENERATORS)
 FILE_HELP = ("A workload file to run instead of a generated workload: JSON (a workload object or a list of "
              "requests/sessions) or, for *.jsonl, one request or session per line. Format: the docstring of "

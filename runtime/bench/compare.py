@@ -29,13 +29,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.bench.cli import SYSTEMS, WORKLOADS
 from runtime.bench.client import RunResult, run_workload
 from runtime.bench.metrics import format_summary, summarize
 from runtime.bench.optimum import PromptTokenizer, optimum_for
 from runtime.bench.paths import REPO, default_results_root, docs_page, portable_command
+from runtime.bench.servers import SYSTEMS
 from runtime.bench.workload_files import load_workload_file
+from runtime.bench.workloads import WORKLOADS as GENERATORS
 from runtime.bench.workloads import make_workload
+
+WORKLOADS = tuple(GENERATORS)
 
 
 @dataclass

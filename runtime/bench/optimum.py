@@ -114,7 +114,7 @@ class PromptTokenizer:
         return cls(load_tokenizer(path if path is not None else resolve_model_path("default")))
 
     def prompt_ids(self, endpoint: str, body: dict[str, Any]) -> list[int]:
-        from runtime.tokenizer_utils import apply_chat_template
+        from runtime.models.tokenizer import apply_chat_template
 
         if endpoint == "completions":
             return list(self.tok(body["prompt"]).input_ids)  # as TokenizerManager.tokenize
@@ -122,7 +122,7 @@ class PromptTokenizer:
 
     def answered_ids(self, endpoint: str, body: dict[str, Any], answer: str) -> list[int]:
         """The prompt followed by one answer, as a later request that continues it would tokenize it."""
-        from runtime.tokenizer_utils import apply_chat_template
+        from runtime.models.tokenizer import apply_chat_template
 
         if endpoint == "completions":
             return list(self.tok(body["prompt"] + answer).input_ids)

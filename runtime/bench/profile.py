@@ -12,7 +12,7 @@ The step is the normal loop's, driven through the Scheduler's public steps with 
 Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
 ~1,000-token block, first request), a mixed step (7 questions admitted with their prefix cached + 1 decode)
 and plain decode steps of 8 requests at ~1,050 tokens of context. IPC is a ZMQ PUSH/PULL round trip
-(ipc://, pickle protocol 5, as ``runtime.ipc``) of a BatchTokenOut with 64 outputs: the message a step
+(ipc://, pickle protocol 5, as ``runtime.server.ipc``) of a BatchTokenOut with 64 outputs: the message a step
 sends to the detokenizer at batch 64.
 """
 
@@ -66,8 +66,8 @@ def ipc_round_trip(outputs: int = 64, iters: int = 300) -> dict[str, float]:
     """Median seconds of encode -> send -> receive -> decode, there and back, of a BatchTokenOut."""
     import zmq
 
-    from runtime.ipc import decode, encode, pull, push
-    from runtime.messages import BatchTokenOut, ReqOutput
+    from runtime.core.messages import BatchTokenOut, ReqOutput
+    from runtime.server.ipc import decode, encode, pull, push
 
     msg = BatchTokenOut([ReqOutput(f"req-{i}", [1234], None, 1050, 5, 1020) for i in range(outputs)])
     ctx = zmq.Context()
@@ -97,12 +97,12 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
     """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
     from runtime.bench.workloads import make_workload
     from runtime.config import ServerArgs
+    from runtime.core.messages import TokenizedRequest
+    from runtime.core.sampling_params import SamplingParams
     from runtime.executor.model_runner import ModelRunner
-    from runtime.messages import TokenizedRequest
     from runtime.models.loader import load_tokenizer
-    from runtime.sampling_params import SamplingParams
+    from runtime.models.tokenizer import eos_token_ids
     from runtime.scheduler.scheduler import Scheduler
-    from runtime.tokenizer_utils import eos_token_ids
 
     args = ServerArgs(model=model, num_threads=threads or None, log_level="warning").resolve()
     runner = ModelRunner(args)

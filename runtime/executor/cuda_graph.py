@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from runtime.executor.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from radix.allocator import PagedAllocator, ReqToTokenPool
 from radix.kv_storage import KVShape, KVStorage
 from runtime.attention import make_attention_backend
 from runtime.config import ServerArgs, default_num_threads
+from runtime.core.forward_batch import ForwardBatch
 from runtime.executor.cuda_graph import CudaGraphRunner, capture_batch_sizes, graph_memory_reserve
-from runtime.executor.forward_batch import ForwardBatch
 from runtime.models.loader import attention_shape, kv_layout, load_config, load_model, resolve_model_path
 from runtime.models.ops import cpu_weight_format, make_ops
 from runtime.models.random_model import build_random_model, is_random_model, random_model_config

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 TOPP_CANDIDATES = 256  # top-p is searched among the best 256 first; a full sort only if they fall short
 

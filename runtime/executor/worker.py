@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import Sampler, SampleResult, SamplingRow
 

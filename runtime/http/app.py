@@ -17,8 +17,8 @@ from runtime.http.dashboard import router as dashboard_router
 from runtime.http.errors import error_response, install_error_handlers
 from runtime.http.metrics import ServerMetrics
 from runtime.http.openapi import install_openapi
-from runtime.tokenizer_manager import TokenizerManager
-from runtime.watchdog import ProgressWatch
+from runtime.server.tokenizer_manager import TokenizerManager
+from runtime.server.watchdog import ProgressWatch
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -29,7 +29,7 @@ def create_app(tm: TokenizerManager, served_model_name: str,
                check_children: Callable[[], str | None] | None = None,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """``check_children()`` returns why a child process is gone (or None); ``on_fatal`` stops the server. With
-    ``check_children`` the app also watches the scheduler's progress (runtime/watchdog.py)."""
+    ``check_children`` the app also watches the scheduler's progress (runtime/server/watchdog.py)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

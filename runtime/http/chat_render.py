@@ -11,8 +11,8 @@ from typing import Any
 
 from runtime.http.openai_tools import ToolSetup, tool_setup
 from runtime.http.protocol import ChatCompletionRequest
+from runtime.models.tokenizer import apply_chat_template
 from runtime.parsers.tool_formats import ToolCallFormat
-from runtime.tokenizer_utils import apply_chat_template
 
 
 def render_chat_request(tokenizer: Any, chat_template: str | None, tool_format: ToolCallFormat,

@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from runtime.http.dashboard_files import EVENT_STREAM_HEADERS, FRESH, static_file
 from runtime.http.dashboard_stats import StatsHub
 from runtime.http.errors import APIError
-from runtime.tokenizer_manager import TokenizerManager
+from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 MAX_NODES = 20_000

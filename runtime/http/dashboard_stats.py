@@ -1,6 +1,6 @@
 """The dashboard's live figures: one sample a second from the scheduler, with rates and latency percentiles.
 
-A sample is the scheduler's cheap counters (``runtime.dashboard_control.live_stats``: KV pool, cache hit
+A sample is the scheduler's cheap counters (``runtime.server.dashboard_queries.live_stats``: KV pool, cache hit
 counters, token counts) plus what the main process measures itself (the TTFT and inter-token latency
 histograms of ``http/metrics.py``). Rates are differences between consecutive samples. The hub samples only
 while someone asks (an open page, ``radixserve top``); every viewer shares the same samples, so ten open
@@ -17,7 +17,7 @@ from typing import Any
 
 from runtime.http.dashboard_files import FRESH
 from runtime.http.metrics import ServerMetrics
-from runtime.tokenizer_manager import TokenizerManager
+from runtime.server.tokenizer_manager import TokenizerManager
 
 HISTORY = 600  # samples kept (10 minutes at one a second)
 LATENCY_WINDOW = 60.0  # seconds of latency observations the percentiles cover

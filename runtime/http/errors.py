@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
-from runtime.tokenizer_manager import QueueFull, ServerUnavailable
+from runtime.server.tokenizer_manager import QueueFull, ServerUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from runtime.generate_input import SingleRequest, expand, reject_unsupported
+from runtime.core.sampling_params import SamplingParams
 from runtime.http.errors import APIError, check_types, error_response, parse_json
 from runtime.http.native_protocol import GenerateRequest
 from runtime.http.requests import (
@@ -27,8 +27,8 @@ from runtime.http.requests import (
     submit_all,
     wait_all,
 )
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ReqHandle, TokenizerManager
+from runtime.request.intake import SingleRequest, expand, reject_unsupported
+from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 router = APIRouter()
 

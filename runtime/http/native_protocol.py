@@ -1,5 +1,5 @@
 """Pydantic models of the SGLang-native ``/generate`` body: the types of every field, checked before the
-request is expanded (``generate_input.expand``) and published in ``/openapi.json``.
+request is expanded (``runtime.request.intake.expand``) and published in ``/openapi.json``.
 
 The models only check JSON types and the ranges a schema can state; what needs the model or the server's
 settings (token ids in the vocabulary, the context length, ``n`` against the running-request limit, that a
@@ -25,7 +25,7 @@ class NativeModel(BaseModel):
 
 
 class SamplingParamsBody(NativeModel):
-    """SGLang's ``sampling_params`` (runtime/sampling_params.py holds the meaning and the remaining checks)."""
+    """SGLang's ``sampling_params`` (runtime/core/sampling_params.py holds the meaning and the remaining checks)."""
 
     model_config = ConfigDict(extra="forbid")
     max_new_tokens: int | None = Field(None, ge=0)

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from runtime.generate_input import SingleRequest
+from runtime.core.sampling_params import SamplingParams
 from runtime.http.chat_render import render_chat_request
 from runtime.http.errors import APIError, validation_failure
 from runtime.http.openai_format import (
@@ -46,9 +46,9 @@ from runtime.http.openai_format import (
 from runtime.http.openai_tools import REASONING_PARSERS, ParsedOutput
 from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.http.requests import submit_all
-from runtime.request_state import RequestState
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import TokenizerManager
+from runtime.request.intake import SingleRequest
+from runtime.request.state import RequestState
+from runtime.server.tokenizer_manager import TokenizerManager
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)

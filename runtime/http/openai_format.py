@@ -20,11 +20,11 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from runtime.core.sampling_params import SamplingParams
 from runtime.http.errors import APIError, error_body, from_value_error
 from runtime.http.requests import DONE, ClientDisconnected, abort_unfinished, merged_updates, sse, wait_all
-from runtime.request_state import RequestState
-from runtime.sampling_params import SamplingParams
-from runtime.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
+from runtime.request.state import RequestState
+from runtime.server.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 

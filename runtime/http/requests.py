@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from runtime.generate_input import SingleRequest
-from runtime.request_state import RequestState
-from runtime.tokenizer_manager import ReqHandle, TokenizerManager
+from runtime.request.intake import SingleRequest
+from runtime.request.state import RequestState
+from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 DONE = b"data: [DONE]\n\n"
 

@@ -58,8 +58,8 @@ from runtime.http.responses_input import (
     stored_items,
 )
 from runtime.http.responses_store import ResponseStore, StoredResponse
-from runtime.request_state import RequestState
-from runtime.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
+from runtime.request.state import RequestState
+from runtime.server.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
 
 router = APIRouter()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from runtime.request_state import RequestState
+from runtime.request.state import RequestState
 
 
 def new_item_id(prefix: str) -> str:

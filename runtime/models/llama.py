@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.base import AttentionBackend, AttentionShape
-from runtime.executor.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch
 from runtime.models.errors import ModelLoadError
 from runtime.models.layers import RotaryCache, rope_parameters
 from runtime.models.ops import ModelOps, TorchOps

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.executor.model_runner import ModelRunner
 from runtime.scheduler.admission import PrefillPlan
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radix.base import ReqKV
-from runtime.messages import FinishReason, ReqOutput, TokenizedRequest
-from runtime.sampling_params import SamplingParams
+from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
+from runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -42,10 +42,10 @@ from radix.naive_cache import NaiveCache
 from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
+from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import SamplingRow, make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
-from runtime.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.forward_io import (

@@ -4,15 +4,15 @@ grammar end.
 Stop strings are checked on the decoded tail of the output (just long enough to hold the longest stop
 string), so a string split across several tokens is still caught; stop regexes likewise, on a tail as long
 as the longest text a pattern can match, or on the whole output for patterns with no such bound
-(``runtime/stop_regex.py``). The text itself is trimmed later by the detokenizer.
+(``runtime/core/stop_regex.py``). The text itself is trimmed later by the detokenizer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from runtime import stop_regex
-from runtime.messages import FinishReason
+from runtime.core import stop_regex
+from runtime.core.messages import FinishReason
 from runtime.scheduler.req import Req
 
 TAIL_SLACK_TOKENS = 4

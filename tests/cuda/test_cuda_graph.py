@@ -59,7 +59,7 @@ def test_graphs_on_vs_off_identical_tokens(page_size):
 
 def test_graph_replay_matches_eager_hidden_states():
     pytest.importorskip("flashinfer")
-    from runtime.executor.forward_batch import build_forward_batch
+    from runtime.core.forward_batch import build_forward_batch
 
     with engine(model="random:smollm2-135m", attention_backend="flashinfer", cuda_graph_max_bs=8,
                 disable_overlap_schedule=True) as e:

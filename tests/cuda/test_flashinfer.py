@@ -15,7 +15,7 @@ from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.base import AttentionShape
 from runtime.attention.flashinfer_plan import build_paged_kv_index, plan_batch
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.executor.forward_batch import build_forward_batch
+from runtime.core.forward_batch import build_forward_batch
 from tests.cuda.bf16 import REFERENCE, assert_bf16_agree
 
 pytestmark = pytest.mark.cuda

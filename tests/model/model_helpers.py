@@ -19,7 +19,7 @@ import torch
 
 from radix.allocator import PagedAllocator, ReqToTokenPool
 from radix.kv_storage import KVShape, KVStorage
-from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.models.llama import LlamaForCausalLM
 
 VOCAB = 512

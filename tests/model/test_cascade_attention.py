@@ -20,7 +20,7 @@ from runtime.attention import cascade
 from runtime.attention.base import AttentionShape
 from runtime.attention.cascade import CascadePolicy, SharedPrefix, find_shared_prefixes, merge_attention_
 from runtime.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
-from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.models.loader import attention_shape, load_config, load_model
 
 ALWAYS = CascadePolicy(min_prefix=1, min_saved_tokens=1)  # group whatever shares at least one slot

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from radix.events import BlocksRemoved, BlocksStored, CacheMirror, chain_hashes, root_hash
 from router.errors import RouterError
-from router.exact import KvEventFeed, KvEventHub
+from router.kv_mirror import KvEventFeed, KvEventHub
 from router.observe import ResponseObserver
 from router.policies import CacheAware, PowerOfTwo, RoundRobin, ShortestQueue, imbalanced
 from router.prefix_tree import PrefixTree

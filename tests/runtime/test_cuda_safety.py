@@ -23,7 +23,7 @@ from runtime.attention.flashinfer_setup import (
     float_workspace_bytes,
     require_nvcc,
 )
-from runtime.executor.forward_batch import ForwardBatch, build_forward_batch
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.executor.worker import NextTokenTable, batch_tensors, protect_for_stream
 
 

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.config import ServerArgs
+from runtime.core.messages import TokenizedRequest
+from runtime.core.sampling_params import SamplingParams
 from runtime.executor.model_runner import ModelRunner
-from runtime.messages import TokenizedRequest
 from runtime.models.loader import load_tokenizer
-from runtime.sampling_params import SamplingParams
+from runtime.models.tokenizer import eos_token_ids
 from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer_utils import eos_token_ids
 
 DET = {"enable_deterministic_inference": True}
 Result = tuple[list[int], str, list[tuple[float, int]], list[list[tuple[float, int]]]]

@@ -108,7 +108,7 @@ def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int,
     """A batch over a random pool: request i has ``lens[i]`` tokens, its last ``extend`` new, the first
     ``shared`` slots the same for all (a cached prefix: cascade groups form when it is long enough)."""
     from radix.kv_storage import KVShape, KVStorage
-    from runtime.executor.forward_batch import build_forward_batch
+    from runtime.core.forward_batch import build_forward_batch
 
     g = torch.Generator().manual_seed(seed)
     slots = 8192

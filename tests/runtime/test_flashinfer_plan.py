@@ -23,7 +23,7 @@ from runtime.attention.flashinfer_plan import (
     reference_page_indices,
 )
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.executor.forward_batch import build_forward_batch
+from runtime.core.forward_batch import build_forward_batch
 
 
 def grow_requests(page_size: int, lens: list[int], seed: int = 0, capacity: int = 4096,

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from runtime.config import ServerArgs
+from runtime.core.messages import TokenizedRequest
+from runtime.core.sampling_params import SamplingParams
 from runtime.executor.model_runner import ModelRunner
-from runtime.messages import TokenizedRequest
 from runtime.models.loader import load_tokenizer
-from runtime.sampling_params import SamplingParams
+from runtime.models.tokenizer import eos_token_ids
 from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer_utils import eos_token_ids
 
 OVERLAP = {"enable_overlap_schedule": True}
 DET = {"enable_deterministic_inference": True}

@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 
-from runtime import stop_regex
-from runtime.detokenize import DecodeStream
+from runtime.core import stop_regex
+from runtime.core.messages import FinishReason
+from runtime.core.sampling_params import SamplingParams
 from runtime.executor.sampler import apply_penalties, restrict_top_k_top_p
-from runtime.messages import FinishReason
-from runtime.sampling_params import SamplingParams
+from runtime.request.decode_stream import DecodeStream
 from tests.oracle import WITH_TOP2, Greedy, assert_greedy_agrees
 
 PROMPT = list(range(500, 540))

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from radix import PagedAllocator, RadixCache, ReqToTokenPool
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
+from runtime.core.messages import TokenizedRequest
+from runtime.core.sampling_params import SamplingParams
 from runtime.scheduler.policy import LPM_MAX_QUEUE, FCFSPolicy, LPMPolicy, PriorityPolicy, make_schedule_policy
 from runtime.scheduler.req import Req
 

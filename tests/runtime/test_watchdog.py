@@ -1,9 +1,9 @@
-"""The hang watchdog's judgement (runtime/watchdog.py); the end-to-end case is in tests/server/test_protection.py."""
+"""The hang watchdog's judgement (runtime/server/watchdog.py); the end-to-end case: tests/server/test_protection.py."""
 
 from __future__ import annotations
 
-from runtime.messages import SchedulerStatus
-from runtime.watchdog import ProgressWatch
+from runtime.core.messages import SchedulerStatus
+from runtime.server.watchdog import ProgressWatch
 
 
 def status(running: int, waiting: int, steps: int) -> SchedulerStatus:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from runtime.engine import Engine
-from runtime.tokenizer_utils import apply_chat_template
+from runtime.models.tokenizer import apply_chat_template
 from tests.conftest import checked_engine
 from tests.oracle import WITH_TOP2, Greedy, assert_text_agrees
 from tests.server_harness import ServerProcess

@@ -17,7 +17,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from runtime.http.responses_format import EventStream, ResponseHeader, outcome
 from runtime.http.responses_store import ResponseStore, StoredResponse
-from runtime.request_state import RequestState
+from runtime.request.state import RequestState
 from tests.server_harness import ServerProcess, assert_kv_clean
 
 QUESTION = "What is 2+2? Answer with one number."  # SmolLM2 answers it in a few tokens and stops

@@ -1,7 +1,7 @@
 """Exact mode's view of the workers' caches: one ZMQ SUB per worker and the ``CacheMirror`` it feeds.
 
 A worker started with ``--kv-events-port P`` publishes every block its radix cache stores or evicts
-(``runtime/kv_events.py``); a new subscriber first gets a snapshot (``cleared`` + every cached block). So
+(``runtime/server/kv_events.py``); a new subscriber first gets a snapshot (``cleared`` + every cached block). So
 the mirror never needs history: on a gap in ``seq`` (a dropped message) the feed simply resubscribes and
 takes the next snapshot, and a worker that restarts on the same port sends one by itself when the SUB
 socket reconnects.
@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from radix.events import AllBlocksCleared, CacheMirror, chain_hashes, root_hash
-from runtime.kv_events import TOPIC, event_from_json
+from runtime.server.kv_events import TOPIC, event_from_json
 
 logger = logging.getLogger(__name__)
 

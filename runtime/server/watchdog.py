@@ -9,7 +9,7 @@ server unusable, so it is treated like a dead child process: pending requests ge
 
 from __future__ import annotations
 
-from runtime.messages import SchedulerStatus
+from runtime.core.messages import SchedulerStatus
 
 
 class ProgressWatch:

@@ -1,6 +1,6 @@
 """Typed messages between the processes (and between the Engine's caller and its scheduler thread).
 
-Every message is a dataclass; the ZMQ layer sends them with one codec (``runtime.ipc``). Token ids cross
+Every message is a dataclass; the ZMQ layer sends them with one codec (``runtime.server.ipc``). Token ids cross
 process boundaries as lists inside these messages; outputs are batched per scheduler step.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -32,14 +32,6 @@ class FinishReason:
             out["status_code"] = self.status_code
         return out
 
-    @property
-    def openai(self) -> str:
-        if self.type == "stop":
-            return "stop"
-        if self.type == "length":
-            return "length"
-        return "abort"
-
 
 # ---------------------------------------------------------------------- to the scheduler
 @dataclass
@@ -60,11 +52,6 @@ class AbortRequest:
     rid: str
     message: str = "aborted by request"
     status_code: int | None = None  # set when the abort answers the client with an error (e.g. 408 timeout)
-
-
-@dataclass
-class FlushCacheRequest:
-    pass
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """ZMQ plumbing between the processes: endpoints, the message codec, and parent-death handling.
 
 Every socket is an ``ipc://`` path in a private temporary directory. Each receiving side binds a PULL
-socket; senders connect PUSH sockets. Messages are the dataclasses of ``runtime.messages`` pickled
+socket; senders connect PUSH sockets. Messages are the dataclasses of ``runtime.core.messages`` pickled
 with protocol 5: measured on the development machine, a 64-request BatchTokenOut round-trips through
 pickle in ~60 µs, under a tenth of a scheduler step, and dataclasses need no schema of their own.
 """

@@ -18,11 +18,7 @@ import zmq
 
 from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
-from runtime.dashboard_control import DASHBOARD_KINDS, dashboard_control
-from runtime.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
-from runtime.kv_events import EventPublisher
-from runtime.logging_setup import configure_logging
-from runtime.messages import (
+from runtime.core.messages import (
     AbortRequest,
     BatchTokenOut,
     ControlReply,
@@ -30,6 +26,10 @@ from runtime.messages import (
     SchedulerStatus,
     TokenizedRequest,
 )
+from runtime.logging_setup import configure_logging
+from runtime.server.dashboard_queries import DASHBOARD_KINDS, dashboard_query
+from runtime.server.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
+from runtime.server.kv_events import EventPublisher
 
 logger = logging.getLogger(__name__)
 STATUS_INTERVAL = 0.5
@@ -62,8 +62,8 @@ class SchedulerLoop:
     def __init__(self, args: ServerArgs, endpoints: Endpoints, ctx: zmq.Context, to_tm: zmq.Socket):
         from runtime.executor.model_runner import ModelRunner
         from runtime.models.loader import load_tokenizer
+        from runtime.models.tokenizer import eos_token_ids
         from runtime.scheduler.scheduler import Scheduler
-        from runtime.tokenizer_utils import eos_token_ids
 
         self.runner = ModelRunner(args)
         tokenizer = load_tokenizer(args.tokenizer or self.runner.model_path)
@@ -133,8 +133,8 @@ class SchedulerLoop:
                 ok = self.scheduler.flush_cache()
                 return ControlReply(msg.req_id, ok, {} if ok else {
                     "message": "the cache cannot be flushed while requests are queued or running"})
-            if msg.kind in DASHBOARD_KINDS:  # read-only views for the dashboard (runtime/dashboard_control.py)
-                return ControlReply(msg.req_id, True, dashboard_control(self.scheduler, msg.kind, msg.params))
+            if msg.kind in DASHBOARD_KINDS:  # read-only views for the dashboard (runtime/server/dashboard_queries.py)
+                return ControlReply(msg.req_id, True, dashboard_query(self.scheduler, msg.kind, msg.params))
             return ControlReply(msg.req_id, False, {"message": f"unknown control request {msg.kind!r}"})
         except Exception as exc:
             logger.exception("control request %s failed", msg.kind)

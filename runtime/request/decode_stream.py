@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime import stop_regex
-from runtime.messages import FinishReason
-from runtime.sampling_params import SamplingParams
+from runtime.core import stop_regex
+from runtime.core.messages import FinishReason
+from runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

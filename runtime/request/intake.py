@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from runtime.sampling_params import SamplingParams
+from runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

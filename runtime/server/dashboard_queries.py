@@ -19,7 +19,7 @@ DASHBOARD_KINDS = ("cache_tree", "dashboard_stats")
 PREVIEW_TOKENS = 32  # token ids sent per node for its text preview (decoded in the main process)
 
 
-def dashboard_control(scheduler: Any, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+def dashboard_query(scheduler: Any, kind: str, params: dict[str, Any]) -> dict[str, Any]:
     if kind == "cache_tree":
         return cache_tree(scheduler, int(params.get("max_nodes", 500)), int(params.get("min_tokens", 1)))
     return live_stats(scheduler)

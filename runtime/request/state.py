@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.messages import FinishReason, ReqOutput
+from runtime.core.messages import FinishReason, ReqOutput
 
 
 @dataclass

@@ -19,9 +19,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.config import ServerArgs
-from runtime.generate_input import SingleRequest, check_single
-from runtime.ipc import Endpoints, decode, encode
-from runtime.messages import (
+from runtime.core.messages import (
     AbortRequest,
     BatchStrOut,
     ControlReply,
@@ -29,9 +27,11 @@ from runtime.messages import (
     SchedulerStatus,
     TokenizedRequest,
 )
+from runtime.models.tokenizer import load_chat_template
 from runtime.parsers.tool_formats import make_tool_format
-from runtime.request_state import RequestState
-from runtime.tokenizer_utils import load_chat_template
+from runtime.request.intake import SingleRequest, check_single
+from runtime.request.state import RequestState
+from runtime.server.ipc import Endpoints, decode, encode
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT = 120.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from runtime import stop_regex as stop_regex_mod
+from runtime.core import stop_regex as stop_regex_mod
 
 GREEDY_EPS = 1e-6
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
@@ -44,7 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
-    stop_regex: list[str] = field(default_factory=list)  # stop at the first non-empty match (runtime/stop_regex.py)
+    stop_regex: list[str] = field(default_factory=list)  # stop at the first non-empty match (stop_regex.py)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True

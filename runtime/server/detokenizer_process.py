@@ -8,11 +8,11 @@ import sys
 import zmq
 
 from runtime.config import ServerArgs
-from runtime.detokenize import DecodeStream
-from runtime.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
+from runtime.core.messages import BatchStrOut, BatchTokenOut, ReqTextOutput
+from runtime.core.sampling_params import SamplingParams
 from runtime.logging_setup import configure_logging
-from runtime.messages import BatchStrOut, BatchTokenOut, ReqTextOutput
-from runtime.sampling_params import SamplingParams
+from runtime.request.decode_stream import DecodeStream
+from runtime.server.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
 
 logger = logging.getLogger(__name__)
 
