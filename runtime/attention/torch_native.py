@@ -26,82 +26,28 @@ scattered indices is ~9x slower there).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.cascade import (
     CascadePolicy,
-    SharedPrefix,
     attention_with_lse,
-    find_shared_prefixes,
     merge_attention_,
 )
 from runtime.attention.paged_decode import paged_decode_kernel
-from runtime.core.forward_batch import ForwardBatch, ForwardMode
+from runtime.attention.torch_native_plan import (
+    CascadePlan,
+    DecodeGroup,
+    PrefillChunk,
+    TorchNativeMetadata,
+    plan_batch,
+)
+from runtime.core.forward_batch import ForwardBatch
 
-# Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
-# entries (a long chunk over a long prefix) memory wins and the mask is bool.
-_FLOAT_MASK_LIMIT = 1 << 24
 # Prefill chunks of up to this many tokens read the pool in place (paged_decode.py) instead of gathering it:
 # the gather costs the whole prefix once per layer, which a short chunk cannot amortise.
 IN_PLACE_EXTEND_MAX = 64
-
-
-@dataclass
-class DecodeGroup:
-    """Requests that add one token each, attended together."""
-
-    kv_index: torch.Tensor  # [B * L] pool slots, request-major; padding -> slot 0
-    batch_size: int
-    max_len: int
-    mask: torch.Tensor | None  # [B, 1, 1, L] additive (0 / -inf); None when all lengths are equal
-    token_rows: torch.Tensor | None  # rows of these tokens in the batch; None = all rows, in order
-    lengths: torch.Tensor | None = None  # [B] KV positions of each request (for the in-place kernel)
-
-
-@dataclass
-class PrefillChunk:
-    """One request adding ``end - start`` tokens after ``prefix_len`` cached ones."""
-
-    start: int  # first row of its new tokens in the batch
-    end: int
-    kv_index: torch.Tensor  # [S] pool slots of positions 0 .. S-1 (S = prefix + new)
-    mask: torch.Tensor | None  # [E, S] causal-with-prefix mask (additive, or bool when huge); None = causal
-
-
-@dataclass
-class SharedPart:
-    """One cascade group's shared prefix, attended by the cascade rows ``start .. end - 1``."""
-
-    start: int
-    end: int
-    prefix_len: int  # P
-    kv_index: torch.Tensor | None  # [P] slots; None when they are the contiguous run kv_start .. + P - 1
-    kv_start: int = 0
-
-
-@dataclass
-class CascadePlan:
-    """All cascade groups of a batch. Their tokens ("cascade rows") are ordered group after group, so a
-    group's queries and each of its prefill chunks are contiguous slices."""
-
-    rows: torch.Tensor | None  # batch token row of each cascade row; None = all batch rows, in order
-    num_rows: int
-    shared: list[SharedPart]
-    # Each member's own part (KV positions P .. seq_len - 1). Rows/starts index the cascade rows.
-    decode: DecodeGroup | None
-    prefills: list[PrefillChunk]
-
-
-@dataclass
-class TorchNativeMetadata:
-    decode: DecodeGroup | None = None
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    cascade: CascadePlan | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -131,130 +77,7 @@ class TorchNativeBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
-        """Build the slot-index tensors and masks once per batch (Python work per request, not per layer)."""
-        if batch.batch_size == 0:
-            batch.attn_metadata = TorchNativeMetadata()
-            return
-        groups: list[SharedPrefix] = []
-        if self.cascade is not None:
-            groups = find_shared_prefixes(batch.req_to_token, batch.req_pool_indices.tolist(),
-                                          batch.prefix_lens_cpu, self.cascade)
-        dtype = batch.kv.shape.dtype
-        if not groups and batch.mode is ForwardMode.DECODE:
-            batch.attn_metadata = TorchNativeMetadata(decode=self._decode_group(batch, None, None, dtype))
-            return
-        starts = [0]
-        for ext in batch.extend_lens_cpu:
-            starts.append(starts[-1] + ext)
-        grouped = {i for g in groups for i in g.members}
-        meta = TorchNativeMetadata()
-        single: list[int] = []
-        for i, (pre, ext) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
-            if i in grouped:
-                continue
-            if ext == 1:
-                single.append(i)
-            elif ext > 1:
-                meta.prefills.append(self._prefill_chunk(batch, i, starts[i], pre, ext, dtype))
-        if single:
-            meta.decode = self._decode_group(batch, single, None, dtype, [starts[i] for i in single],
-                                             batch.num_tokens)
-        if groups:
-            meta.cascade = self._cascade_plan(batch, groups, starts, dtype)
-        batch.attn_metadata = meta
-
-    def _cascade_plan(self, batch: ForwardBatch, groups: list[SharedPrefix], starts: list[int],
-                      dtype: torch.dtype) -> CascadePlan:
-        rows: list[int] = []
-        shared: list[SharedPart] = []
-        prefills: list[PrefillChunk] = []
-        single: list[int] = []
-        single_skip: list[int] = []
-        single_rows: list[int] = []
-        for g in groups:
-            first = len(rows)
-            for i in g.members:
-                pre, ext = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
-                if ext == 1:
-                    single.append(i)
-                    single_skip.append(g.prefix_len)
-                    single_rows.append(len(rows))
-                elif ext > 1:
-                    prefills.append(self._prefill_chunk(batch, i, len(rows), pre, ext, dtype, g.prefix_len))
-                rows.extend(range(starts[i], starts[i] + ext))
-            shared.append(self._shared_part(batch, g, first, len(rows)))
-        device = batch.seq_lens.device
-        decode = None
-        if single:
-            decode = self._decode_group(batch, single, single_skip, dtype, single_rows, len(rows))
-        all_rows = len(rows) == batch.num_tokens and rows == list(range(len(rows)))
-        row_index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-        return CascadePlan(row_index, len(rows), shared, decode, prefills)
-
-    @staticmethod
-    def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> SharedPart:
-        lead = int(batch.req_pool_indices[g.members[0]])
-        index = batch.req_to_token[lead, : g.prefix_len]
-        # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
-        first = int(index[0])
-        if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
-            return SharedPart(start, end, g.prefix_len, None, first)
-        return SharedPart(start, end, g.prefix_len, index)
-
-    @staticmethod
-    def _decode_group(batch: ForwardBatch, members: Sequence[int] | None, skip: Sequence[int] | None,
-                      dtype: torch.dtype, token_rows: Sequence[int] | None = None,
-                      num_rows: int = 0) -> DecodeGroup:
-        """Padded slot matrix of the decode requests ``members`` (None = all, in order), from KV position
-        ``skip[j]`` of member j on (None = from 0); ``token_rows`` are their rows among the ``num_rows``
-        rows of the output (None = all of them, in order)."""
-        device = batch.seq_lens.device
-        if members is None:
-            lens, req_rows, seq_lens = batch.seq_lens_cpu, batch.req_pool_indices, batch.seq_lens
-        else:
-            skips = skip or [0] * len(members)
-            lens = [batch.seq_lens_cpu[i] - s for i, s in zip(members, skips)]
-            req_rows = batch.req_pool_indices[torch.tensor(members, dtype=torch.int64, device=device)]
-            seq_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-        max_len = max(lens)
-        if skip is None:
-            index = batch.req_to_token[req_rows, :max_len]
-        else:
-            cols = torch.tensor(skip, dtype=torch.int64, device=device)[:, None] + torch.arange(max_len,
-                                                                                               device=device)
-            cols.clamp_(max=batch.req_to_token.shape[1] - 1)  # past a row's length: masked below
-            index = batch.req_to_token[req_rows[:, None], cols]
-        mask = None
-        if min(lens) != max_len:
-            pad = torch.arange(max_len, device=index.device)[None, :] >= seq_lens[:, None]
-            # Table entries past a request's length are stale; point them at the reserved slot 0.
-            index = index.masked_fill(pad, 0)
-            mask = torch.zeros(pad.shape, dtype=dtype, device=index.device).masked_fill_(pad, float("-inf"))
-            mask = mask[:, None, None, :]
-        rows = None
-        if token_rows is not None and list(token_rows) != list(range(num_rows)):
-            rows = torch.tensor(token_rows, dtype=torch.int64, device=device)
-        lengths = torch.tensor(lens, dtype=torch.int64) if device.type == "cpu" else None
-        return DecodeGroup(index.reshape(-1), len(lens), max_len, mask, rows, lengths)
-
-    @staticmethod
-    def _prefill_chunk(batch: ForwardBatch, i: int, start: int, prefix: int, ext: int,
-                       dtype: torch.dtype, skip: int = 0) -> PrefillChunk:
-        """KV positions ``skip .. prefix + ext - 1`` of request ``i`` (``skip`` = a cascade group's P)."""
-        seq = prefix + ext
-        index = batch.req_to_token[int(batch.req_pool_indices[i]), skip:seq]
-        mask = None
-        if prefix > skip:
-            device = index.device
-            # New token j (position prefix + j) may see key positions skip .. prefix + j.
-            hidden = (torch.arange(skip, seq, device=device)[None, :]
-                      > torch.arange(prefix, seq, device=device)[:, None])
-            if hidden.numel() > _FLOAT_MASK_LIMIT:
-                mask = ~hidden  # bool (True = attend): 4x smaller than additive fp32, slightly slower
-            else:
-                mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
-                mask.masked_fill_(hidden, float("-inf"))
-        return PrefillChunk(start, start + ext, index, mask)
+        plan_batch(batch, self.cascade)
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -19,7 +19,8 @@ from radix.kv_storage import KVShape, KVStorage
 from runtime.attention import cascade
 from runtime.attention.base import AttentionShape
 from runtime.attention.cascade import CascadePolicy, SharedPrefix, find_shared_prefixes, merge_attention_
-from runtime.attention.torch_native import TorchNativeBackend, TorchNativeMetadata
+from runtime.attention.torch_native import TorchNativeBackend
+from runtime.attention.torch_native_plan import TorchNativeMetadata
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.models.loader import attention_shape, load_config, load_model
 
