@@ -16,6 +16,7 @@ licences), so it works offline.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -77,14 +78,33 @@ def json_response(obj: Any) -> Response:
     return Response(orjson.dumps(obj), media_type="application/json")
 
 
-def with_text(tm: TokenizerManager, tree: dict[str, Any]) -> dict[str, Any]:
-    """Replace each node's preview token ids by their text (the tokenizer lives in this process)."""
-    nodes = tree["nodes"]
-    texts = tm.tokenizer.batch_decode([n["preview_ids"] for n in nodes])
-    for node, text in zip(nodes, texts):
-        shown = len(node.pop("preview_ids"))
-        node["text"] = text + ("…" if 0 < shown < node["tokens"] else "") if shown else (node["label"] or "")
-    return tree
+class PreviewTexts:
+    """Node previews as text, decoded once: the tokenizer lives in this process, and a polled tree sends the same
+    nodes' first token ids every time, so only new nodes are decoded (an LRU bounded to ``size`` previews)."""
+
+    def __init__(self, tokenizer: Any, size: int = 65_536):
+        self._decode = functools.lru_cache(maxsize=size)(lambda ids: tokenizer.decode(list(ids)))
+
+    def fill(self, tree: dict[str, Any]) -> dict[str, Any]:
+        """Replace each node's ``preview_ids`` by its ``text`` (an ellipsis when the node has more tokens)."""
+        for node in tree["nodes"]:
+            ids = node.pop("preview_ids")
+            if ids:
+                node["text"] = self._decode(tuple(ids)) + ("…" if len(ids) < node["tokens"] else "")
+            else:
+                node["text"] = node["label"] or ""
+        return tree
+
+    def cache_info(self) -> Any:
+        return self._decode.cache_info()
+
+
+def previews_of(request: Request) -> PreviewTexts:
+    state = request.app.state
+    previews: PreviewTexts | None = getattr(state, "dashboard_previews", None)
+    if previews is None:
+        previews = state.dashboard_previews = PreviewTexts(state.tm.tokenizer)
+    return previews
 
 
 def _query(name: str, description: str, minimum: int, maximum: int, default: int) -> dict[str, Any]:
@@ -107,7 +127,7 @@ async def cache_tree(request: Request) -> Response:
     reply = await tm.control("cache_tree", {"max_nodes": max_nodes, "min_tokens": min_tokens})
     if not reply.ok:
         raise APIError(400, reply.data.get("message", "the cache tree is not available"))
-    return json_response(with_text(tm, reply.data))
+    return json_response(previews_of(request).fill(reply.data))
 
 
 @router.get("/dashboard/stats", summary="The dashboard's latest live sample (KV pool, hit rate, rates, latency)")
