@@ -14,6 +14,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -133,8 +134,9 @@ class GrammarMasker:
         self.vocab_size = vocab_size
         self._bitmask: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, rows: Any) -> None:
-        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+    def apply(self, logits: torch.Tensor, grammars: Sequence[Any]) -> None:
+        """``grammars``: one per logits row, None for an unconstrained row."""
+        idx = [i for i, g in enumerate(grammars) if g is not None]
         if not idx:
             return
         n = logits.shape[0]
@@ -142,6 +144,6 @@ class GrammarMasker:
             self._bitmask = self._xgr.allocate_token_bitmask(max(n, 16), self.vocab_size)
         bitmask = self._bitmask[:n]
         for i in idx:
-            rows[i].grammar.fill_mask(bitmask, i)
+            grammars[i].fill_mask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
                                               indices=idx)

@@ -1,14 +1,19 @@
-"""Turns next-token logits into tokens, one row per request, for any mix of sampling settings.
+"""Turns next-token logits into tokens for a batch with any mix of sampling settings, in whole-batch
+tensor operations.
 
-Order of operations per row: logit bias → repetition / frequency / presence penalties → the mask that
-keeps stop tokens out before ``min_new_tokens`` → the grammar mask → greedy argmax, or temperature,
-top-k, top-p and min-p filtering and a draw.
+``Sampler.prepare(rows)`` snapshots the rows' settings as a :class:`SamplingBatch` when the batch is built
+(scheduler side); ``Sampler.sample(logits, batch)`` runs on the logits' device. Order of operations per row:
+logit bias → repetition / frequency / presence penalties → the mask that keeps stop tokens out before
+``min_new_tokens`` → the grammar mask → greedy argmax, or temperature, top-k, top-p and min-p filtering and
+a draw. Each step is one operation over the batch (index ops for the sparse edits, one top-k for the
+candidates of every filtered row); no Python loop runs per row except the grammar mask's and the packing
+of logprobs into lists.
 
 Draws are reproducible per request: each row's uniform number comes from a generator seeded with the
-request's seed and its output position, so the same seed gives the same text whatever else is in the
-batch, and a retracted request resumes exactly where it was. The draw is inverse-CDF over the filtered
-distribution (a cumulative sum and one binary search), which costs far less on CPU than drawing a full
-vocabulary of exponential noise.
+request's seed and its output position (drawn in ``prepare``), so the same seed gives the same text
+whatever else is in the batch, and a retracted request resumes exactly where it was. The draw is
+inverse-CDF over the filtered distribution (a cumulative sum and one binary search), which costs far less
+on CPU than drawing a full vocabulary of exponential noise.
 
 Logprobs are those of the model (log-softmax of the raw logits), as OpenAI and SGLang report them.
 
@@ -21,26 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from runtime.core.sampling_params import SamplingParams
+from runtime.executor.sampling_batch import SamplingBatch, SamplingRow, TokenPairs
 
-TOPP_CANDIDATES = 256  # top-p is searched among the best 256 first; a full sort only if they fall short
-
-
-class SamplingRow(Protocol):
-    """What the sampler needs to know of a request."""
-
-    sampling: SamplingParams
-    seed: int
-    output_ids: list[int]
-    input_ids: list[int]
-    eos_ids: frozenset[int]
-    return_logprob: bool
-    top_logprobs_num: int
-    grammar: object
+FIRST_CANDIDATES = 32  # top-p is searched among each row's best 32 tokens first (a peaked head) ...
+TOPP_CANDIDATES = 256  # ... then among the best 256, and only then in a full sort
 
 
 @dataclass
@@ -51,7 +44,7 @@ class SampleResult:
 
 
 class GrammarMasker(Protocol):
-    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None: ...
+    def apply(self, logits: torch.Tensor, grammars: Sequence[Any]) -> None: ...
 
 
 class Sampler:
@@ -59,97 +52,56 @@ class Sampler:
         self.vocab_size = vocab_size
         self.grammar_masker = grammar_masker
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+    def prepare(self, rows: Sequence[SamplingRow], pending: Sequence[bool] = ()) -> SamplingBatch:
+        """The rows' sampling inputs as tensors (see :meth:`SamplingBatch.build` for ``pending``)."""
+        return SamplingBatch.build(rows, self.vocab_size, pending)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        assert logits.shape[0] == batch.size, "one logits row per sampled row"
         logits = logits[:, : self.vocab_size].float()
-        n = len(rows)
-        want_lp = [i for i, r in enumerate(rows) if r.return_logprob]
-        raw_logp = self.log_softmax(logits[want_lp]) if want_lp else None
-
-        logits = logits.clone()
-        for i, r in enumerate(rows):
-            self._adjust_row(logits[i], r)
-        if self.grammar_masker is not None and any(r.grammar is not None for r in rows):
-            self.grammar_masker.apply(logits, rows)
-
-        tokens = [0] * n
-        greedy = [i for i, r in enumerate(rows) if r.sampling.is_greedy]
-        if greedy:
-            ids = torch.argmax(logits[greedy], dim=-1).tolist()
-            for i, t in zip(greedy, ids):
-                tokens[i] = t
-        drawn = [i for i, r in enumerate(rows) if not r.sampling.is_greedy]
-        if drawn:
-            for i, t in zip(drawn, self._draw(logits[drawn], [rows[i] for i in drawn])):
-                tokens[i] = t
-
-        logprobs: list[float | None] = [None] * n
-        tops: list[list[tuple[float, int]] | None] = [None] * n
+        want = batch.return_logprob.nonzero().squeeze(1)
+        raw_logp = self.log_softmax(logits[want.to(logits.device)]) if want.numel() else None
+        owned = batch.edits_logits
+        if owned:
+            logits = logits.clone()
+            edit_logits(logits, batch)
+            if self.grammar_masker is not None and batch.has_grammar:
+                self.grammar_masker.apply(logits, batch.grammars)
+        tokens = self._choose(logits, batch, owned)
+        ids = tokens.tolist()
+        logprobs: list[float | None] = [None] * len(ids)
+        tops: list[list[tuple[float, int]] | None] = [None] * len(ids)
         if raw_logp is not None:
-            chosen = torch.tensor([tokens[i] for i in want_lp])
-            vals = raw_logp.gather(1, chosen[:, None]).squeeze(1).tolist()
-            for j, i in enumerate(want_lp):
-                logprobs[i] = vals[j]
-                k = rows[i].top_logprobs_num
-                if k > 0:
-                    tv, ti = torch.topk(raw_logp[j], min(k, self.vocab_size))
-                    tops[i] = list(zip(tv.tolist(), ti.tolist()))
-        return SampleResult(tokens, logprobs, tops)
+            pack_logprobs(raw_logp, want, tokens, batch.top_logprobs, logprobs, tops)
+        return SampleResult(ids, logprobs, tops)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities ``[N, vocab]`` of fp32 logits rows (the model's logprobs)."""
         return torch.log_softmax(logits, dim=-1)
 
-    # ------------------------------------------------------------------ per-row logit processing
-    def _adjust_row(self, row: torch.Tensor, r: SamplingRow) -> None:
-        sp = r.sampling
-        if sp.logit_bias:
-            idx = torch.tensor(list(sp.logit_bias.keys()))
-            row.index_add_(0, idx, torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype))
-        if sp.has_penalties:
-            apply_penalties(row, r.input_ids, r.output_ids, sp)
-        if len(r.output_ids) < sp.min_new_tokens:
-            banned = set(sp.stop_token_ids)
-            if not sp.ignore_eos:
-                banned |= r.eos_ids
-            if banned:
-                row[torch.tensor(sorted(banned))] = float("-inf")
-
-    # ------------------------------------------------------------------ random draws
-    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        temps = torch.tensor([r.sampling.temperature for r in rows], dtype=logits.dtype)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        for i, r in enumerate(rows):
-            sp = r.sampling
-            if sp.top_k > 0 or sp.top_p < 1.0:
-                restrict_top_k_top_p(probs[i], sp.top_k, sp.top_p)
-            if sp.min_p > 0:
-                p = probs[i]
-                p[p < sp.min_p * p.max()] = 0.0
-        cdf = torch.cumsum(probs, dim=-1)
-        u = torch.empty(len(rows), dtype=cdf.dtype)
-        gen = torch.Generator()
-        for i, r in enumerate(rows):
-            gen.manual_seed(draw_seed(r.seed, len(r.output_ids)))
-            u[i] = torch.rand((), generator=gen, dtype=torch.float64)
-        target = (u * cdf[:, -1])[:, None]
-        picks = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        picks = torch.minimum(picks, torch.full_like(picks, self.vocab_size - 1))
-        out = picks.tolist()
-        for i, t in enumerate(out):
-            # searchsorted lands on a token whose cumulative mass rises, i.e. an allowed one; only a
-            # target rounded up to the very end can miss, and then the likeliest token stands in.
-            if probs[i, t] <= 0:
-                out[i] = int(torch.argmax(probs[i]))
-        return out
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
+        """The tokens; ``owned``: ``logits`` is the sampler's own copy (it may be overwritten)."""
+        drawn = (~batch.greedy).nonzero().squeeze(1)
+        if drawn.numel() == 0:
+            return argmax(logits)
+        if drawn.numel() == batch.size:
+            return draw(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.uniform,
+                        inplace=owned)
+        # every row's argmax (one read of the batch, no copy of the greedy rows), then the draws over it
+        tokens = argmax(logits)
+        d = drawn.to(logits.device)
+        tokens[d] = draw(logits.index_select(0, d), batch.temperature[drawn], batch.top_k[drawn],
+                         batch.top_p[drawn], batch.min_p[drawn], batch.uniform[drawn], inplace=True)
+        return tokens
 
 
 class RowwiseSampler(Sampler):
     """The same sampling, one row per call, so that no row's numbers depend on the other rows."""
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         out = SampleResult([], [], [])
-        for i, row in enumerate(rows):
-            one = super().sample(logits[i : i + 1], [row])
+        for i in range(batch.size):
+            one = super().sample(logits[i : i + 1], batch.row(i))
             out.token_ids += one.token_ids
             out.logprobs += one.logprobs
             out.top_logprobs += one.top_logprobs
@@ -166,44 +118,128 @@ def make_sampler(vocab_size: int, deterministic: bool, grammar_masker: GrammarMa
     return cls(vocab_size, grammar_masker)
 
 
-def draw_seed(seed: int, position: int) -> int:
-    """Seed of the generator for one draw: a mix of the request's seed and the output position."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
+# ---------------------------------------------------------------------- the steps, each over the whole batch
+def edit_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Logit bias, then penalties, then the ``min_new_tokens`` ban, in place."""
+    batch.logit_bias.add_to(logits)
+    apply_repetition_penalty(logits, batch.repetition)
+    batch.output_penalty.add_to(logits)  # frequency and presence (values are negative amounts)
+    batch.banned.put_into(logits)
 
 
-def restrict_top_k_top_p(p: torch.Tensor, top_k: int, top_p: float) -> None:
-    """Zero every probability outside the top-k and outside the smallest set with mass >= top_p.
-
-    Exact: the candidates are the best ``TOPP_CANDIDATES`` (or ``top_k``) tokens, and only when their
-    mass is below ``top_p`` (a very flat distribution) is the whole row sorted.
-    """
-    k = top_k if top_k > 0 else min(TOPP_CANDIDATES, p.numel())
-    vals, idx = torch.topk(p, min(k, p.numel()))
-    if top_p < 1.0 and top_k <= 0 and float(vals.sum()) < top_p:
-        vals, idx = torch.sort(p, descending=True)
-    keep = vals.numel()
-    if top_p < 1.0:
-        total = float(p.sum())
-        cum = torch.cumsum(vals, 0)
-        # keep the tokens needed to reach top_p of the mass (at least one)
-        keep = min(keep, int(torch.searchsorted(cum, torch.tensor(top_p * total, dtype=cum.dtype))) + 1)
-    kept_idx = idx[:keep]
-    kept = p[kept_idx].clone()
-    p.zero_()
-    p[kept_idx] = kept
+def apply_repetition_penalty(logits: torch.Tensor, pairs: TokenPairs) -> None:
+    """At each pair's token: divide a positive logit by the penalty, multiply a negative one."""
+    if pairs.empty:
+        return
+    dev = logits.device
+    at = (pairs.rows.to(dev), pairs.tokens.to(dev))
+    vals, pen = logits[at], pairs.values.to(dev, logits.dtype)
+    logits[at] = torch.where(vals > 0, vals / pen, vals * pen)
 
 
-def apply_penalties(row: torch.Tensor, prompt: Sequence[int], output: Sequence[int], sp: SamplingParams) -> None:
-    """Repetition penalty over prompt and output tokens (divide positive logits, multiply negative);
-    frequency and presence penalties over output tokens (OpenAI semantics)."""
-    vocab = row.numel()
-    if sp.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({t for t in (*prompt, *output) if t < vocab}), dtype=torch.int64)
-        if seen.numel():
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-    if output and (sp.frequency_penalty or sp.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=vocab)[:vocab].to(row.dtype)
-        row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row (``max`` with indices: the same answer as ``argmax``, faster on CPU)."""
+    return torch.max(logits, dim=-1).indices
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         min_p: torch.Tensor, uniform: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """One token per row: softmax at the row's temperature, top-k / top-p / min-p filtering, then the
+    inverse CDF at the row's uniform number. Settings are host tensors, one entry per row; ``inplace``:
+    ``logits`` may be overwritten.
+
+    Two ``[rows, vocab]`` buffers serve every step (scaled logits → filtered probabilities, probabilities
+    → CDF): on a CPU host a fresh buffer of that size costs page faults worth a pass over the data."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    t = temperature.to(dev)[:, None]
+    scaled = logits.div_(t) if inplace else logits / t
+    probs = torch.softmax(scaled, dim=-1)
+    cut = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1)
+    if cut.numel() == probs.shape[0]:
+        filtered = restrict_top_k_top_p(probs, top_k, top_p, out=scaled)
+    elif cut.numel():
+        c = cut.to(dev)
+        filtered = scaled.copy_(probs)
+        filtered.index_copy_(0, c, restrict_top_k_top_p(probs.index_select(0, c), top_k[cut], top_p[cut]))
+    else:
+        filtered = probs
+    if bool((min_p > 0).any()):  # a row with min_p 0 has threshold 0: nothing is below it
+        floor = min_p.to(dev)[:, None] * filtered.amax(dim=-1, keepdim=True)
+        filtered.masked_fill_(filtered < floor, 0.0)
+    cdf = torch.cumsum(filtered, dim=-1, out=probs if filtered is scaled else scaled)
+    target = (uniform.to(dev, cdf.dtype) * cdf[:, -1])[:, None]
+    picks = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=vocab - 1)
+    # searchsorted lands on a token whose cumulative mass rises, i.e. an allowed one; only a target rounded
+    # up to the very end can miss, and then the likeliest token stands in.
+    missed = filtered.gather(1, picks[:, None]).squeeze(1) <= 0
+    if bool(missed.any()):
+        picks = torch.where(missed, argmax(filtered), picks)
+    return picks
+
+
+def restrict_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``probs`` with every token outside the row's top-k and outside its smallest set with mass >= top_p
+    (at least one token) set to 0, written to ``out`` (a new tensor if None). ``top_k``: 0 for no cut;
+    ``top_p``: 1 for no cut (host tensors).
+
+    Exact, in widening stages: one top-k of the batch gives every row its best ``max(top_k,
+    FIRST_CANDIDATES)`` tokens; rows without a top-k whose nucleus is not among them (flatter
+    distributions) go on to ``TOPP_CANDIDATES``, and those still short are sorted in full."""
+    vocab = probs.shape[1]
+    dev = probs.device
+    out = torch.zeros_like(probs) if out is None else out.zero_()
+    total = probs.sum(dim=-1)
+    rows = torch.arange(probs.shape[0])  # host: the rows still to be cut
+    width = int(torch.where(top_k > 0, top_k, FIRST_CANDIDATES).max())
+    while rows.numel():
+        width = min(width, vocab)
+        r = rows.to(dev)
+        sub = probs.index_select(0, r) if rows.numel() < probs.shape[0] else probs
+        vals, idx = torch.topk(sub, width, dim=-1) if width < vocab else torch.sort(sub, dim=-1, descending=True)
+        keep, short = _keep_counts(vals, total.index_select(0, r), top_k[rows], top_p[rows])
+        if width == vocab:  # all candidates seen: a rounding shortfall keeps the whole row
+            short = torch.zeros_like(short)
+        kept = torch.where(torch.arange(width, device=dev)[None, :] < keep[:, None], vals, 0.0)
+        done = (~short).nonzero().squeeze(1)
+        out.index_put_((r.index_select(0, done)[:, None], idx.index_select(0, done)), kept.index_select(0, done))
+        rows = rows[short.cpu()]
+        width = TOPP_CANDIDATES if width < TOPP_CANDIDATES else vocab
+    return out
+
+
+def _keep_counts(vals: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of each row's candidates ``vals`` (sorted, descending) to keep, and which rows' candidates
+    fall short of top_p (rows without a top-k: they need more candidates)."""
+    dev = vals.device
+    width = vals.shape[1]
+    k, p = top_k.to(dev), top_p.to(dev)
+    keep = torch.where(k > 0, k.clamp(max=width), width)
+    # tokens needed to reach top_p of the row's mass (width + 1: not reached among the candidates)
+    threshold = (p * total.double()).to(vals.dtype)[:, None]
+    needed = torch.searchsorted(torch.cumsum(vals, dim=-1), threshold).squeeze(1) + 1
+    nucleus = p < 1.0
+    keep = torch.where(nucleus, torch.minimum(keep, needed), keep)
+    short = nucleus & (k <= 0) & (needed > width)
+    return keep, short
+
+
+def pack_logprobs(raw_logp: torch.Tensor, want: torch.Tensor, tokens: torch.Tensor, top_n: torch.Tensor,
+                  logprobs: list[float | None], tops: list[list[tuple[float, int]] | None]) -> None:
+    """Fill the result lists at rows ``want`` (host) from their log-probabilities ``raw_logp``: the chosen
+    token's, and the ``top_n[row]`` best (one top-k for all of them)."""
+    chosen = tokens.index_select(0, want.to(tokens.device))
+    vals = raw_logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    n = top_n[want]
+    most = int(n.max())
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if most > 0:
+        tv, ti = torch.topk(raw_logp, min(most, raw_logp.shape[1]), dim=-1)
+        top_vals, top_ids = tv.tolist(), ti.tolist()
+    for j, (i, k) in enumerate(zip(want.tolist(), n.tolist())):
+        logprobs[i] = vals[j]
+        if k > 0:
+            tops[i] = list(zip(top_vals[j][:k], top_ids[j][:k]))

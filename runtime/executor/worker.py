@@ -4,6 +4,9 @@ The scheduler hands it a :class:`WorkItem` (tensors of the batch, which logits r
 gets a :class:`WorkHandle` back. Inline (the normal loop) the work is done before ``submit`` returns. In
 the overlap loop a thread runs items in submission order — on CUDA on its own stream, on CPU as a plain
 thread (torch releases the GIL inside its kernels), so the same logic runs and is tested on both.
+Sampling runs where the logits are, from the item's :class:`SamplingBatch` (a snapshot of the rows'
+settings taken when the item was built: the worker never reads a request); only logits wanted for prompt
+logprobs are copied to the host.
 
 **Next-token table.** In the overlap loop batch N+1 is built before batch N's tokens are known, so a
 request that samples in N has no input token yet in N+1. The worker keeps, on the device, the last token
@@ -34,7 +37,8 @@ import torch
 
 from runtime.core.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
-from runtime.executor.sampler import Sampler, SampleResult, SamplingRow
+from runtime.executor.sampler import Sampler, SampleResult
+from runtime.executor.sampling_batch import SamplingBatch
 
 
 @dataclass
@@ -44,7 +48,7 @@ class WorkItem:
     batch: ForwardBatch
     logit_rows: torch.Tensor  # [L] token rows whose logits are wanted (host)
     sample_picks: list[int]  # rows of those logits that are sampled, in order
-    rows: Sequence[SamplingRow]  # the sampling inputs of each sampled row
+    sampling: SamplingBatch  # the sampling inputs of those rows (a snapshot: the worker reads no request)
     sample_table_rows: list[int]  # request-table row of each sampled request (its token goes to the table)
     fill_positions: list[int] = field(default_factory=list)  # input_ids rows whose token the previous batch
     fill_rows: list[int] = field(default_factory=list)  # samples: read from the table at these rows
@@ -53,7 +57,7 @@ class WorkItem:
 
 @dataclass
 class WorkResult:
-    logits: torch.Tensor  # fp32 [L, vocab] on the host; empty when the samples were taken on the device
+    logits: torch.Tensor  # fp32 [L, vocab] on the host when the item wants all logits, else empty
     sampled: SampleResult | None
 
 
@@ -116,13 +120,6 @@ class NextTokenTable:
             input_ids[torch.tensor(positions, device=dev)] = src.to(input_ids.dtype)
 
 
-def plain_greedy(row: SamplingRow) -> bool:
-    """Rows whose token is the argmax of the raw logits (nothing the sampler would change first)."""
-    sp = row.sampling
-    return (sp.is_greedy and not row.return_logprob and not sp.logit_bias and not sp.has_penalties
-            and row.grammar is None and len(row.output_ids) >= sp.min_new_tokens)
-
-
 class ForwardWorker:
     """Runs items inline (``threaded=False``) or on one thread in submission order (``threaded=True``)."""
 
@@ -179,22 +176,15 @@ class ForwardWorker:
     def _run(self, item: WorkItem) -> WorkResult:
         fb = item.batch
         self.tokens.fill(fb.input_ids, item.fill_positions, item.fill_rows)
-        vocab = self.sampler.vocab_size
-        if item.rows and not item.all_logits and all(plain_greedy(r) for r in item.rows):
-            # Argmax where the logits are: no copy of [B, vocab] fp32 to the host. Same values, same
-            # first-maximum tie rule as the sampler's argmax.
-            logits = self.runner.forward_device(fb, item.logit_rows)
-            picks = torch.tensor(item.sample_picks, device=logits.device)
-            ids = torch.argmax(logits.index_select(0, picks)[:, :vocab], dim=-1)
-            if self.threaded:
-                self.tokens.write(item.sample_table_rows, ids)
-            listed = ids.tolist()
-            return WorkResult(torch.empty(0, self.runner.vocab_size),
-                              SampleResult(listed, [None] * len(listed), [None] * len(listed)))
-        logits = self.runner.forward(fb, item.logit_rows)
+        if item.logit_rows.numel() == 0:  # a middle prompt chunk: nothing to read back
+            return WorkResult(self.runner.forward(fb, item.logit_rows), None)
+        # Sampled where the logits are: only the rows read for prompt logprobs come to the host.
+        logits = self.runner.forward_device(fb, item.logit_rows)
         sampled = None
         if item.sample_picks:
-            sampled = self.sampler.sample(logits.index_select(0, torch.tensor(item.sample_picks)), item.rows)
+            picks = torch.tensor(item.sample_picks, device=logits.device)
+            sampled = self.sampler.sample(logits.index_select(0, picks), item.sampling)
             if self.threaded:
                 self.tokens.write(item.sample_table_rows, torch.tensor(sampled.token_ids))
-        return WorkResult(logits, sampled)
+        host = logits.cpu() if item.all_logits else torch.empty(0, self.runner.vocab_size)
+        return WorkResult(host, sampled)

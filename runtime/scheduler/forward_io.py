@@ -5,7 +5,6 @@ decisions about the batch in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from radix.base import PrefixCache
 from runtime.executor.worker import WorkHandle, WorkItem
@@ -48,31 +47,6 @@ class ForwardOutput:
 
     input: ForwardInput
     handle: WorkHandle
-
-
-@dataclass
-class SampleRowSnapshot:
-    """A request's sampling inputs as of the step being built (``Sampler`` reads these attributes), for a
-    batch sampled on the worker thread while the scheduler keeps changing the request.
-
-    ``output_ids`` is a copy whose length counts a token still being sampled by the batch in flight (a
-    placeholder value the sampler never reads: requests whose sampling reads output values run in lockstep,
-    see :func:`needs_previous_token`)."""
-
-    sampling: Any
-    seed: int
-    output_ids: list[int]
-    input_ids: list[int]
-    eos_ids: frozenset[int]
-    return_logprob: bool
-    top_logprobs_num: int
-    grammar: Any
-
-    @classmethod
-    def of(cls, req: Req, ahead: bool) -> SampleRowSnapshot:
-        out = [*req.output_ids, 0] if ahead else list(req.output_ids)
-        return cls(req.sampling, req.seed, out, req.input_ids, req.eos_ids, req.return_logprob,
-                   req.top_logprobs_num, req.grammar)
 
 
 def needs_previous_token(req: Req) -> bool:

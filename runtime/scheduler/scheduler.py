@@ -44,14 +44,13 @@ from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
 from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
 from runtime.executor.model_runner import ModelRunner
-from runtime.executor.sampler import SamplingRow, make_sampler
+from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.forward_io import (
     ForwardInput,
     ForwardOutput,
-    SampleRowSnapshot,
     continuing_requests,
     must_process_first,
 )
@@ -283,11 +282,10 @@ class Scheduler:
         sample_idx = [i for i in step.sample_rows
                       if plans[i].req.remaining_new_tokens() - (id(plans[i].req) in ahead) > 0]
         reqs = [plans[i].req for i in sample_idx]
-        rows: list[SamplingRow] = list(reqs)
-        if self.overlap:  # sampled on the worker thread while this thread keeps changing the requests
+        if self.overlap:  # run on the worker thread while this thread keeps changing the table
             snapshot_table(step.forward)
-            rows = [SampleRowSnapshot.of(r, id(r) in ahead) for r in reqs]
-        work = WorkItem(step.forward, step.logit_rows, [step.sample_rows[i] for i in sample_idx], rows,
+        sampling = self.sampler.prepare(reqs, [id(r) in ahead for r in reqs])  # a snapshot, in both loops
+        work = WorkItem(step.forward, step.logit_rows, [step.sample_rows[i] for i in sample_idx], sampling,
                         [r.kv.row for r in reqs if r.kv is not None], step.fill_positions, step.fill_rows,
                         all_logits=bool(step.prompt_rows))
         return ForwardInput(step, work, sample_idx, num_decodes, t0, ahead, time.perf_counter() - t_build)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from runtime.core import stop_regex
 from runtime.core.messages import FinishReason
 from runtime.core.sampling_params import SamplingParams
-from runtime.executor.sampler import apply_penalties, restrict_top_k_top_p
+from runtime.executor.sampler import Sampler, edit_logits, restrict_top_k_top_p
 from runtime.request.decode_stream import DecodeStream
 from tests.oracle import WITH_TOP2, Greedy, assert_greedy_agrees
 
@@ -190,10 +191,12 @@ def test_invalid_sampling_values_raise_naming_the_field(tiny_engine, params, fie
 
 
 def test_penalties_reference_semantics():
-    row = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    row = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     sp = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    apply_penalties(row, prompt=[0], output=[1, 1, 2], sp=sp)
-    expected = torch.tensor([1.0, -4.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.5])
+    req = SimpleNamespace(sampling=sp, seed=0, input_ids=[0], output_ids=[1, 1, 2], eos_ids=frozenset(),
+                          return_logprob=False, top_logprobs_num=0, grammar=None)
+    edit_logits(row, Sampler(4).prepare([req]))
+    expected = torch.tensor([[1.0, -4.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.5]])
     assert torch.allclose(row, expected)
 
 
@@ -209,12 +212,10 @@ def test_penalties_break_repetition(smol_engine, penalty):
 
 
 def test_top_p_keeps_the_nucleus():
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    restrict_top_k_top_p(p, top_k=-1, top_p=0.8)
-    assert torch.equal(p > 0, torch.tensor([True, True, False, False]))
-    q = torch.tensor([0.1, 0.4, 0.2, 0.3])
-    restrict_top_k_top_p(q, top_k=2, top_p=1.0)
-    assert torch.equal(q > 0, torch.tensor([False, True, False, True]))
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.4, 0.2, 0.3]])
+    out = restrict_top_k_top_p(p, top_k=torch.tensor([0, 2]), top_p=torch.tensor([0.8, 1.0], dtype=torch.float64))
+    assert torch.equal(out[0] > 0, torch.tensor([True, True, False, False]))
+    assert torch.equal(out[1] > 0, torch.tensor([False, True, False, True]))
 
 
 # ---------------------------------------------------------------------- SGLang's sampling_params fields
