@@ -5,8 +5,8 @@ The step is the normal loop's, driven through the Scheduler's public steps with 
 - scheduling + batch building: ``schedule_next()`` (decode room, KV slots for running requests, admission
   with prefix match, then ``build_step``, whose share ``ForwardInput.build_seconds`` reports);
 - model forward: ``launch()`` (attention planning, the layers, logits of the sampled rows) minus sampling;
-- sampling: ``Sampler.sample`` (timed by wrapping it while ``launch`` runs; an all-greedy batch takes its
-  argmax on the device inside the forward, and then shows none);
+- sampling: ``Sampler.sample`` (timed by wrapping it while ``launch`` runs; its ``prepare`` runs while
+  scheduling and counts there);
 - result processing: ``process()`` (stop checks, cache inserts, outputs).
 
 Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
