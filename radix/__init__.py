@@ -11,11 +11,15 @@ from radix.errors import (
 )
 from radix.events import AllBlocksCleared, BlocksRemoved, BlocksStored, CacheEvent, CacheMirror
 from radix.eviction import LFUPolicy, LRUPolicy, make_policy
+from radix.hierarchical_cache import HierarchicalRadixCache
+from radix.host_pool import HostKVPool, TransferHandle, host_capacity_tokens
 from radix.kv_storage import KVShape, KVStorage
 from radix.naive_cache import NaiveCache
 from radix.radix_cache import RadixCache, TreeNode
+from radix.tiered_node import WRITE_POLICIES, LoadBack, LowerTier, TieredNode
 
 __all__ = [
+    "WRITE_POLICIES",
     "AllBlocksCleared",
     "BlocksRemoved",
     "BlocksStored",
@@ -23,6 +27,8 @@ __all__ = [
     "CacheMirror",
     "CacheStats",
     "DoubleFreeError",
+    "HierarchicalRadixCache",
+    "HostKVPool",
     "IntegrityError",
     "KVCacheError",
     "KVOutOfMemoryError",
@@ -30,6 +36,8 @@ __all__ = [
     "KVStorage",
     "LFUPolicy",
     "LRUPolicy",
+    "LoadBack",
+    "LowerTier",
     "MatchResult",
     "NaiveCache",
     "PagedAllocator",
@@ -37,8 +45,11 @@ __all__ = [
     "RadixCache",
     "ReqKV",
     "ReqToTokenPool",
+    "TieredNode",
+    "TransferHandle",
     "TreeNode",
     "UnownedSlotError",
+    "host_capacity_tokens",
     "key_bytes",
     "make_policy",
 ]

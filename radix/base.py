@@ -30,6 +30,25 @@ the tail ``[a, kv_len)`` stays private.
 Accounting invariant (``check_integrity``)::
 
     free + evictable + protected + sum(private of running requests) == capacity
+
+The host tier (``radix.hierarchical_cache``, optional). A tree node's KV may live on the device, in the
+host pool (``radix.host_pool``), or both. Host slots are never a request's: they belong to tree nodes or
+to the host pool's free list. Device slots keep the table above; a node that is on the host only holds
+no device slot and counts in neither ``evictable`` nor ``protected``::
+
+    host slots                        owner                        freed by
+    a node's host copy                the node (one per node)      host pressure dropping a host-only
+                                                                   leaf (the node leaves the tree), flush
+    what the device pool evicts       write_back: copied to the host when the device copy is evicted
+                                      write_through: copied when the node is inserted (if room)
+
+    device:  free + evictable + protected + sum(private) == capacity      (host-only nodes hold 0)
+    host:    host_free + sum(host slots held by nodes)    == host capacity
+
+Residency rules the tiered cache keeps: the device-resident nodes form a prefix-closed set (a node on the
+device has its parent on the device), a locked node is always on the device, and every node is on at
+least one tier. A match is therefore a device prefix followed by host-only nodes (``MatchResult.host_nodes``),
+which ``load_back`` copies into fresh device pages before the caller locks the match as usual.
 """
 
 from __future__ import annotations
@@ -62,14 +81,25 @@ EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
 @dataclass
 class MatchResult:
-    """The cached prefix of a key: its KV slots and the node to lock while they are in use."""
+    """The cached prefix of a key: its device KV slots and the node to lock while they are in use.
+
+    ``host_nodes``: with a host tier, the nodes that continue the device prefix but hold their KV on the
+    host only (top-down, the first a child of ``last_node``); ``load_back`` turns them into device hits.
+    """
 
     kv_indices: torch.Tensor
     last_node: Any
+    host_nodes: tuple[Any, ...] = ()
 
     @property
     def length(self) -> int:
+        """Tokens of the device-resident prefix (what ``assign_prefix`` hands the request)."""
         return int(self.kv_indices.numel())
+
+    @property
+    def host_len(self) -> int:
+        """Tokens after the device prefix whose KV is in the host pool."""
+        return sum(n.num_tokens for n in self.host_nodes)
 
 
 @dataclass
@@ -80,8 +110,21 @@ class CacheStats:
     cached_tokens: int = 0
     evictable_size: int = 0
     protected_size: int = 0
-    evicted_tokens: int = 0
+    evicted_tokens: int = 0  # left the device (dropped, or moved to the host tier)
     inserted_tokens: int = 0
+    # host tier (zero without one); cached_tokens / evictable / protected above are device tokens
+    host_hit_tokens: int = 0  # matched tokens served from the host tier (counted by load_back)
+    host_tokens: int = 0  # tokens whose KV is in the host pool (host-only and both tiers)
+    host_only_tokens: int = 0  # tokens in nodes that are on the host only
+    host_capacity: int = 0
+    host_evicted_tokens: int = 0  # host-only tokens dropped (or handed to a lower tier) under pressure
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Hits that were on the device already (the recorded hits minus those loaded back from the host)."""
+        return max(0, self.hit_tokens - self.host_hit_tokens)
 
     @property
     def hit_rate(self) -> float:

@@ -62,10 +62,13 @@ def make_policy(name: str) -> EvictionPolicy:
 
 
 class EvictionIndex(Generic[N]):
-    """Sorted set of evictable nodes. Each node remembers the key it was filed under (``evict_key``)."""
+    """Sorted set of evictable nodes. Each node remembers the key it was filed under in the attribute
+    ``key_attr`` (``evict_key`` by default; a second index over the same nodes, such as the host tier's,
+    names another attribute so that the two never see each other's entries)."""
 
-    def __init__(self, policy: EvictionPolicy):
+    def __init__(self, policy: EvictionPolicy, key_attr: str = "evict_key"):
         self.policy = policy
+        self.key_attr = key_attr
         self._sorted: SortedList = SortedList()
         self._nodes: dict[int, N] = {}
 
@@ -73,30 +76,33 @@ class EvictionIndex(Generic[N]):
         return len(self._sorted)
 
     def __contains__(self, node: N) -> bool:
-        return node.evict_key is not None
+        return getattr(node, self.key_attr) is not None
 
     def add(self, node: N) -> None:
-        if node.evict_key is not None:
-            self._sorted.remove(node.evict_key)
-        node.evict_key = self.policy.key(node)
-        self._sorted.add(node.evict_key)
+        old = getattr(node, self.key_attr)
+        if old is not None:
+            self._sorted.remove(old)
+        key = self.policy.key(node)
+        setattr(node, self.key_attr, key)
+        self._sorted.add(key)
         self._nodes[node.node_id] = node
 
     def discard(self, node: N) -> None:
-        if node.evict_key is not None:
-            self._sorted.remove(node.evict_key)
-            node.evict_key = None
+        old = getattr(node, self.key_attr)
+        if old is not None:
+            self._sorted.remove(old)
+            setattr(node, self.key_attr, None)
             del self._nodes[node.node_id]
 
     def refresh(self, node: N) -> None:
         """Re-file a node whose access time or hit count changed (no-op when it is not indexed)."""
-        if node.evict_key is not None:
+        if getattr(node, self.key_attr) is not None:
             self.add(node)
 
     def pop_first(self) -> N:
         key = self._sorted.pop(0)
         node = self._nodes.pop(key[-1])
-        node.evict_key = None
+        setattr(node, self.key_attr, None)
         return node
 
     def peek_order(self) -> list[N]:
@@ -105,6 +111,6 @@ class EvictionIndex(Generic[N]):
 
     def clear(self) -> None:
         for node in self._nodes.values():
-            node.evict_key = None
+            setattr(node, self.key_attr, None)
         self._sorted.clear()
         self._nodes.clear()

@@ -61,9 +61,16 @@ class TreeNode:
     def num_tokens(self) -> int:
         return len(self.key) >> 2
 
+    @property
+    def tier(self) -> str:
+        """Where this node's KV lives (``device``; a tiered cache's nodes may say ``host`` too)."""
+        return "device"
+
 
 class RadixCache(PrefixCache):
     """The prefix-sharing cache. See ``radix.base`` for the ownership rules it implements."""
+
+    node_type: type[TreeNode] = TreeNode  # a tiered cache stores richer nodes (``radix.hierarchical_cache``)
 
     def __init__(
         self,
@@ -99,7 +106,7 @@ class RadixCache(PrefixCache):
     def _root(self, namespace: Hashable | None) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = TreeNode(0, b"", EMPTY_SLOTS, None)
+            root = self.node_type(0, b"", EMPTY_SLOTS, None)
             root.lock_ref = 1  # roots are never evicted
             if self._events is not None:
                 root.hashes = array("Q", [root_hash(namespace)])
@@ -181,7 +188,7 @@ class RadixCache(PrefixCache):
         parent = child.parent
         assert parent is not None
         ntok = at >> 2
-        upper = TreeNode(next(self._ids), child.key[:at], child.value[:ntok], parent)
+        upper = self.node_type(next(self._ids), child.key[:at], child.value[:ntok], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
@@ -207,30 +214,32 @@ class RadixCache(PrefixCache):
         key = key_bytes(tokens)
         end = len(key) // self._unit * self._unit
         node, pos, _ = self._walk(key[:end], self._root(namespace), split=True, hit=False)
-        cached = pos >> 2
         if pos < end:
-            if node.evict_key is not None:  # it is about to get a child
-                self._index.discard(node)
-            leaf = TreeNode(next(self._ids), key[pos:end], slots[cached : end >> 2], node)
-            leaf.last_access = node.last_access
-            node.children[leaf.key[: self._unit]] = leaf
-            self._num_nodes += 1
-            self._evictable += leaf.num_tokens
-            self._inserted += leaf.num_tokens
-            self._index.add(leaf)
-            if self._events is not None:
-                parent_hash = node.hashes[-1] if node.hashes else root_hash(namespace)
-                leaf.hashes = chain_hashes(parent_hash, leaf.key, self._unit)
-                self._events(
-                    BlocksStored(
-                        namespace,
-                        parent_hash,
-                        leaf.hashes.tolist(),
-                        array("i", leaf.key).tolist(),
-                        self.page_size,
-                    )
+            self._add_leaf(node, key, pos, end, slots, namespace)
+        return pos >> 2
+
+    def _add_leaf(
+        self, node: TreeNode, key: bytes, pos: int, end: int, slots: torch.Tensor, namespace: Hashable | None
+    ) -> TreeNode:
+        """Hang ``key[pos:end]`` (KV in ``slots[pos/4 : end/4]``) under ``node`` as a new evictable leaf."""
+        if node.evict_key is not None:  # it is about to get a child
+            self._index.discard(node)
+        leaf = self.node_type(next(self._ids), key[pos:end], slots[pos >> 2 : end >> 2], node)
+        leaf.last_access = node.last_access
+        node.children[leaf.key[: self._unit]] = leaf
+        self._num_nodes += 1
+        self._evictable += leaf.num_tokens
+        self._inserted += leaf.num_tokens
+        self._index.add(leaf)
+        if self._events is not None:
+            parent_hash = node.hashes[-1] if node.hashes else root_hash(namespace)
+            leaf.hashes = chain_hashes(parent_hash, leaf.key, self._unit)
+            self._events(
+                BlocksStored(
+                    namespace, parent_hash, leaf.hashes.tolist(), array("i", leaf.key).tolist(), self.page_size
                 )
-        return cached
+            )
+        return leaf
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-TIER = "device"  # where a node's KV lives; the only tier until the host-memory tier exists
+TIER = "device"  # where a node's KV lives: "device", "host" or "device+host" (aggregates and roots: device)
 
 
 class _Node(Protocol):
@@ -31,6 +31,9 @@ class _Node(Protocol):
     last_access: int
     hit_count: int
     node_id: int
+
+    @property
+    def tier(self) -> str: ...
 
 
 @dataclass
@@ -128,7 +131,8 @@ def build_snapshot(roots: Mapping[Hashable | None, _Node], max_nodes: int, min_t
         else:
             nid = node.node_id
             nodes.append(SnapshotNode(nid, pid, len(node.key) >> 2, -neg, node.hit_count, node.last_access,
-                                      node.lock_ref, array("i", node.key[: 4 * preview_tokens]).tolist()))
+                                      node.lock_ref, array("i", node.key[: 4 * preview_tokens]).tolist(),
+                                      tier=node.tier))
         push_children(node, nid)
 
     # what is left in the heap is hidden: one aggregate per shown parent
