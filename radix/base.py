@@ -213,6 +213,12 @@ class PrefixCache(ABC):
     def cache_unfinished_req(self, state: ReqKV, tokens: TokenSeq) -> None:
         """A request is mid-way (chunked prefill): make its computed prefix matchable by others."""
 
+    def load_to_device(self, match: MatchResult) -> MatchResult:
+        """The whole cached prefix of a fresh ``match`` with its KV on the device, ready for ``assign_prefix``
+        (call it at once). A cache with one tier has nothing to load; a tiered cache brings back the parts
+        kept on lower tiers, or returns the device part alone when the device has no room for them."""
+        return match
+
     # ------------------------------------------------------------------ request bookkeeping
     def new_request(self, namespace: Hashable | None = None) -> ReqKV:
         return ReqKV(row=self.req_to_token.alloc(), namespace=namespace)

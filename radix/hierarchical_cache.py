@@ -115,6 +115,18 @@ class HierarchicalRadixCache(RadixCache):
             self.record_lookup(int(kv.numel()), len(key) >> 2)
         return MatchResult(kv, path[i - 1] if i else root, tuple(path[i:]))
 
+    def load_to_device(self, match: MatchResult) -> MatchResult:
+        """``load_back`` for the scheduler's admission: the caller's stream waits for the copy (on CPU it is
+        already done), and a device without room leaves the match at its device part (the rest is computed)."""
+        if not match.host_len:
+            return match
+        try:
+            loaded = self.load_back(match)
+        except KVOutOfMemoryError:
+            return match
+        loaded.handle.wait()
+        return loaded.match
+
     def load_back(self, match: MatchResult) -> LoadBack:
         """Bring ``match.host_nodes`` back to the device: allocate device pages (evicting as needed; raises
         ``KVOutOfMemoryError`` when there is no room, the nodes staying on the host), start the copy,

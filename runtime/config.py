@@ -75,6 +75,24 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "Use the non-sharing cache (every prompt computed in full).")
     eviction_policy: str = _opt("lru", "Which cached entries go first when KV memory runs out.",
                                 ("lru", "lfu"))
+    # ---------------------------------------------------------------- memory hierarchy
+    enable_hierarchical_cache: bool = _opt(
+        False, "Keep prefixes evicted from the KV pool in a host-memory pool (and, with "
+        "--hicache-storage-backend, on disk) and load them back on a hit instead of recomputing them.")
+    hicache_ratio: float = _opt(2.0, "Host pool size as a multiple of the KV pool (used unless --hicache-size "
+                                "is given).")
+    hicache_size: float = _opt(0.0, "Host pool size in GB; 0 = use --hicache-ratio.")
+    hicache_write_policy: str = _opt(
+        "write_through", "When a prefix is copied to the host pool: write_through = when it is cached (eviction "
+        "then costs nothing), write_back = only when it is evicted from the KV pool.",
+        ("write_through", "write_back"))
+    hicache_storage_backend: str | None = _opt(
+        None, "Disk tier below the host pool: 'file' stores evicted pages as checksummed files in "
+        "--hicache-storage-dir, so a restarted server resumes with its cache (default: no disk tier).", ("file",))
+    hicache_storage_dir: str | None = _opt(
+        None, "Directory of the 'file' storage backend (created if missing; several servers may share it).")
+    hicache_storage_size: float | None = _opt(
+        None, "Most GB the disk tier keeps; the least recently used pages go first (default: unbounded).")
     # ---------------------------------------------------------------- kernels
     attention_backend: str = _opt("auto", "Attention kernels; auto = flashinfer on CUDA when it is installed (the "
                                   "'gpu' extra), the dtype is 16-bit and the head dim is 64, 128 or 256; "
@@ -176,6 +194,17 @@ class ServerArgs:
              "must be >= 0")
         need(self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0 seconds")
         need(self.watchdog_timeout > 0, "watchdog_timeout", "must be > 0 seconds")
+        need(self.hicache_ratio > 0, "hicache_ratio", "must be > 0")
+        need(self.hicache_size >= 0, "hicache_size", "must be >= 0 GB")
+        need(self.hicache_storage_size is None or self.hicache_storage_size > 0, "hicache_storage_size",
+             "must be > 0 GB")
+        if self.enable_hierarchical_cache:
+            need(not self.disable_radix_cache, "enable_hierarchical_cache",
+                 "the memory hierarchy keeps radix-cache prefixes; it cannot run with --disable-radix-cache")
+        need(self.hicache_storage_backend is None or self.enable_hierarchical_cache, "hicache_storage_backend",
+             "the disk tier sits below the host pool: add --enable-hierarchical-cache")
+        need((self.hicache_storage_backend is None) == (self.hicache_storage_dir is None), "hicache_storage_dir",
+             "--hicache-storage-backend file and --hicache-storage-dir PATH go together")
         if self.enable_deterministic_inference:
             name = "enable_deterministic_inference"
             need(self.device in ("auto", "cpu"), name,

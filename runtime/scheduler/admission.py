@@ -120,8 +120,9 @@ class PrefillAdder:
             return Outcome.STOP
         key = req.tokens[: req.max_prefix_len()]
         match = cache.match_prefix(key, req.namespace, record=False)
-        if self._shares_with_admitted(req, match.length):
+        if self._shares_with_admitted(req, match.length + match.host_len):
             return Outcome.DEFERRED
+        match = cache.load_to_device(match)  # prefix parts kept on the host (or disk) come back first
         state = cache.new_request(req.namespace)
         cache.assign_prefix(state, match)  # lock before re-checking memory
         req.kv = state

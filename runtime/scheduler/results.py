@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from radix.base import PrefixCache
+from radix.base import CacheStats, PrefixCache
 from radix.naive_cache import NaiveCache
 from runtime.executor.sampler import Sampler
 from runtime.scheduler.batch import StepBatch
@@ -57,7 +57,19 @@ def status_report(cache: PrefixCache, stats: SchedulerStats, policy: SchedulePol
             "evicted_tokens": cs.evicted_tokens,
             "eviction_policy": cache.eviction_policy,
             "page_size": cache.page_size,
+            "tiers": tier_report(cs),
         },
         "scheduler": {**stats.as_dict(), "schedule_policy": policy.name, "queue_reorders": policy.reorders},
         "new_token_ratio": round(ratio, 4),
     }
+
+
+def tier_report(cs: CacheStats) -> dict[str, Any]:
+    """Hits and traffic per memory tier (``device`` only, unless the hierarchical cache is on)."""
+    out: dict[str, Any] = {"device": {"hit_tokens": cs.device_hit_tokens, "cached_tokens": cs.cached_tokens}}
+    if cs.host_capacity:
+        out["host"] = {"hit_tokens": cs.host_hit_tokens, "cached_tokens": cs.host_tokens,
+                       "host_only_tokens": cs.host_only_tokens, "capacity": cs.host_capacity,
+                       "dropped_tokens": cs.host_evicted_tokens, "bytes_to_host": cs.bytes_to_host,
+                       "bytes_to_device": cs.bytes_to_device}
+    return out

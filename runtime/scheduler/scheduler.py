@@ -38,8 +38,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from radix.base import PrefixCache
-from radix.naive_cache import NaiveCache
-from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
 from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
@@ -48,6 +46,7 @@ from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import build_step, snapshot_table
+from runtime.scheduler.cache_setup import make_cache
 from runtime.scheduler.forward_io import (
     ForwardInput,
     ForwardOutput,
@@ -76,11 +75,7 @@ class Scheduler:
                  cache_event_sink: Any = None):
         self.args = args
         self.runner = runner
-        self.cache: PrefixCache
-        if args.disable_radix_cache:
-            self.cache = NaiveCache(runner.allocator, runner.req_to_token)
-        else:
-            self.cache = RadixCache(runner.allocator, runner.req_to_token, args.eviction_policy, cache_event_sink)
+        self.cache: PrefixCache = make_cache(args, runner, cache_event_sink)
         self.policy = make_schedule_policy(args.schedule_policy, args.enable_priority_scheduling,
                                            args.schedule_low_priority_values_first)
         self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference)
