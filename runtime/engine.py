@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from runtime.config import ServerArgs
-from runtime.core.messages import ReqOutput, TokenizedRequest
+from runtime.core.errors import IntakeError
+from runtime.core.messages import ReqOutput
 from runtime.executor.model_runner import ModelRunner
 from runtime.models.loader import load_tokenizer
 from runtime.models.tokenizer import eos_token_ids
 from runtime.request.decode_stream import DecodeStream
-from runtime.request.intake import SingleRequest, check_single, expand
+from runtime.request.intake import Limits, SingleRequest, from_native, prepare
 from runtime.request.state import RequestState
 from runtime.scheduler.scheduler import Scheduler
 
@@ -44,6 +45,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.args.tokenizer or self.runner.model_path)
         eos = eos_token_ids(self.tokenizer, self.runner.hf_config, self.runner.model_path)
         self.scheduler = Scheduler(self.args, self.runner, self.tokenizer, eos)
+        self.limits = Limits(self.runner.vocab_size, self.runner.context_length, self.runner.allocator.capacity,
+                             self.args.max_running_requests)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._calls: dict[str, _Call] = {}
         self._lock = threading.Lock()
@@ -70,20 +73,22 @@ class Engine:
 
         Returns one dict for a single sequence, a list for a batch or ``n > 1``, or (``stream=True``,
         single sequence only) an iterator of dicts whose ``text`` is cumulative.
-        Invalid arguments raise ValueError naming the field, before anything is queued.
+        Invalid arguments raise ValueError (an IntakeError) naming the field, before anything is queued.
         """
-        is_batch, singles = expand(prompt, input_ids, sampling_params, rid, return_logprob,
-                                   logprob_start_len, top_logprobs_num, cache_salt,
-                                   max_n=self.args.max_running_requests)
-        calls = [self._prepare(s, stream) for s in singles]
+        # the same intake as /generate, whose body carries these names
+        call = from_native({"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
+                            "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                            "top_logprobs_num": top_logprobs_num, "cache_salt": cache_salt, "stream": stream},
+                           self.limits.max_n)
+        if stream and len(call.requests) != 1:
+            raise IntakeError("stream", "streaming takes a single prompt with n = 1")
+        calls = [self._prepare(s) for s in call.requests]
         if stream:
-            if len(calls) != 1:
-                raise ValueError("stream: streaming takes a single prompt with n = 1")
             return self._stream(calls[0], return_text_in_logprobs)
-        for call in calls:
-            self._send(call, stream=False)
-        results = [self._wait(call, return_text_in_logprobs) for call in calls]
-        return results if is_batch else results[0]
+        for c in calls:
+            self._send(c)
+        results = [self._wait(c, return_text_in_logprobs) for c in calls]
+        return results if call.is_batch else results[0]
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -111,24 +116,18 @@ class Engine:
         self.shutdown()
 
     # ------------------------------------------------------------------ helpers
-    def _prepare(self, single: SingleRequest, stream: bool) -> _Call:
-        if single.input_ids is None:
-            assert single.text is not None
-            single.input_ids = list(self.tokenizer(single.text).input_ids)
-        check_single(single, self.runner.vocab_size, self.runner.context_length)
+    def _prepare(self, single: SingleRequest) -> _Call:
+        prepare(single, lambda text: list(self.tokenizer(text).input_ids), self.limits)
         return _Call(single, self.tokenizer)
 
-    def _send(self, call: _Call, stream: bool) -> None:
+    def _send(self, call: _Call) -> None:
         s = call.single
-        assert s.input_ids is not None
         self._check_alive()
         with self._lock:
             if s.rid in self._calls:
-                raise ValueError(f"rid: request id {s.rid!r} is already in use")
+                raise IntakeError("rid", f"request id {s.rid!r} is already in use")
             self._calls[s.rid] = call
-        msg = TokenizedRequest(s.rid, s.input_ids, s.sampling, s.return_logprob, s.logprob_start_len,
-                               s.top_logprobs_num, stream, s.cache_salt, s.priority)
-        self._inbox.put(("submit", msg))
+        self._inbox.put(("submit", s.message()))
 
     def _apply(self, call: _Call, out: ReqOutput) -> None:
         text = call.decoder.add(out.new_token_ids, out.finished)
@@ -143,7 +142,7 @@ class Engine:
         return self._result(call, text_in_logprobs)
 
     def _stream(self, call: _Call, text_in_logprobs: bool) -> Iterator[dict[str, Any]]:
-        self._send(call, stream=True)
+        self._send(call)
         try:
             while call.state.finished is None:
                 item = call.updates.get()
@@ -156,9 +155,8 @@ class Engine:
                 self.abort(call.single.rid)
 
     def _result(self, call: _Call, text_in_logprobs: bool) -> dict[str, Any]:
-        s = call.single
         token_text = (lambda t: self.tokenizer.decode([t])) if text_in_logprobs else None
-        return call.state.to_native(s.return_logprob, s.top_logprobs_num, token_text)
+        return call.state.to_native(call.single.options, token_text)
 
     def _check_alive(self) -> None:
         """Requests and control calls fail at once (instead of waiting forever) once the thread has died."""

@@ -2,14 +2,31 @@
 
 Every message is a dataclass; the ZMQ layer sends them with one codec (``runtime.server.ipc``). Token ids cross
 process boundaries as lists inside these messages; outputs are batched per scheduler step.
+
+A request's options (``RequestOptions``) are declared here once and travel as one object: the intake's
+``SingleRequest``, the wire's ``TokenizedRequest`` and the scheduler's ``Req`` all hold the same instance
+(tests/runtime/test_request_fields.py checks that no other dataclass re-declares them). Nothing here knows
+HTTP: an abort says why it happened (``AbortCause``) and only runtime/http turns causes into statuses.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from runtime.core.sampling_params import SamplingParams
+
+
+class AbortCause(Enum):
+    """Why a request was aborted."""
+
+    CLIENT = "client"  # its caller asked (abort_request, a disconnect, a sibling request of the call refused)
+    TIMEOUT = "timeout"  # it ran past its deadline
+    INVALID = "invalid"  # it cannot run as given; the intake refuses such requests, so only a direct submit
+    #                      (or a grammar the compiler refuses after the intake's check passed) gets here
+    ERROR = "error"  # the runtime stopped it while it ran (e.g. a token the grammar refuses)
 
 
 @dataclass
@@ -20,17 +37,29 @@ class FinishReason:
     matched: int | str | None = None
     length: int | None = None
     message: str | None = None
-    status_code: int | None = None  # for aborts caused by a client error
+    cause: AbortCause | None = None  # aborts only
 
     def to_json(self) -> dict[str, Any]:
         if self.type == "stop":
             return {"type": "stop", "matched": self.matched}
         if self.type == "length":
             return {"type": "length", "length": self.length}
-        out: dict[str, Any] = {"type": "abort", "message": self.message}
-        if self.status_code is not None:
-            out["status_code"] = self.status_code
-        return out
+        return {"type": "abort", "message": self.message}
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Everything about one request besides its prompt and sampling parameters: what to report and how to
+    treat it. Declared once; every layer passes this object along instead of copying its fields."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is reported (-1: none)
+    top_logprobs_num: int = 0
+    # The cache namespace (from cache_salt / extra_key): requests share cached prefixes only within one.
+    cache_namespace: str | None = None
+    priority: int = 0  # higher runs first when the server schedules by priority
+    timeout: float | None = None  # seconds from arrival; past it the request is aborted and its KV freed
+    stream: bool = False  # the scheduler sends its output every step (otherwise once, when it finishes)
 
 
 # ---------------------------------------------------------------------- to the scheduler
@@ -39,28 +68,49 @@ class TokenizedRequest:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    stream: bool = False
-    cache_salt: str | None = None
-    priority: int = 0
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 @dataclass
 class AbortRequest:
     rid: str
     message: str = "aborted by request"
-    status_code: int | None = None  # set when the abort answers the client with an error (e.g. 408 timeout)
+    cause: AbortCause = AbortCause.CLIENT
+
+
+def _query_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(kw_only=True)
+class ControlQuery:
+    """A query the scheduler answers, between two steps, with a ControlReply carrying the same ``req_id``.
+    One subclass per query; the scheduler process dispatches on the type."""
+
+    req_id: str = field(default_factory=_query_id)
 
 
 @dataclass
-class ControlRequest:
-    """A query the scheduler answers with a ControlReply (server info, integrity check...)."""
+class ServerInfoQuery(ControlQuery):
+    """Queues, KV accounting (integrity-checked), cache and scheduler statistics."""
 
-    req_id: str
-    kind: str  # "server_info" | "flush_cache" | "cache_tree" | "dashboard_stats"
-    params: dict[str, Any] = field(default_factory=dict)  # the kind's arguments (cache_tree: max_nodes, ...)
+
+@dataclass
+class FlushCacheQuery(ControlQuery):
+    """Drop every cached prefix (refused while requests are queued or running)."""
+
+
+@dataclass
+class CacheTreeQuery(ControlQuery):
+    """The radix tree for the dashboard, aggregated to at most ``max_nodes`` nodes."""
+
+    max_nodes: int = 500
+    min_tokens: int = 1  # subtrees with fewer tokens are folded into their parent's aggregate
+
+
+@dataclass
+class DashboardStatsQuery(ControlQuery):
+    """The dashboard's cheap live figures (no integrity check, no drain of an in-flight batch)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from runtime.core.messages import CacheTreeQuery
 from runtime.http.dashboard_files import EVENT_STREAM_HEADERS, FRESH, static_file
 from runtime.http.dashboard_stats import StatsHub
 from runtime.http.errors import APIError
@@ -124,7 +125,7 @@ async def cache_tree(request: Request) -> Response:
     max_nodes = query_number(request, "max_nodes", 500, 2, MAX_NODES)
     min_tokens = query_number(request, "min_tokens", 1, 0, 2**31 - 1)
     tm = tm_of(request)
-    reply = await tm.control("cache_tree", {"max_nodes": max_nodes, "min_tokens": min_tokens})
+    reply = await tm.control(CacheTreeQuery(max_nodes, min_tokens))
     if not reply.ok:
         raise APIError(400, reply.data.get("message", "the cache tree is not available"))
     return json_response(previews_of(request).fill(reply.data))

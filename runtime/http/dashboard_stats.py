@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
+from runtime.core.messages import DashboardStatsQuery
 from runtime.http.dashboard_files import FRESH
 from runtime.http.metrics import ServerMetrics
 from runtime.server.tokenizer_manager import TokenizerManager
@@ -79,7 +80,7 @@ class StatsHub:
         async with self._lock:
             if self._history and time.monotonic() - self._history[-1][0] < max_age:
                 return self._history[-1][1]
-            reply = await self.tm.control("dashboard_stats")
+            reply = await self.tm.control(DashboardStatsQuery())
             if not reply.ok:
                 raise RuntimeError(reply.data.get("message", "the scheduler did not answer"))
             now = time.monotonic()

@@ -2,14 +2,17 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for anything the client can fix;
 401 without the API key, 408 past a request's timeout, 429 when the waiting queue is full (with Retry-After), 503 when
-the server lost or hung a process. Validation messages of the runtime start with the field name
-(``"temperature: must be ..."``), which becomes ``param``.
+the server lost or hung a process. The runtime's refusals are ``IntakeError``s naming a field in the runtime's
+spelling; ``api_error`` renames it through the calling API's table (``names``) and it becomes ``param``. The
+runtime knows no HTTP: an aborted request says why (``AbortCause``) and ``ABORT_STATUS`` is the one place that
+turns a cause into a status.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -20,6 +23,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from runtime.core.errors import IntakeError
+from runtime.core.messages import AbortCause, FinishReason
 from runtime.server.tokenizer_manager import QueueFull, ServerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,25 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+
+# Aborts that answer the client with an error; the others (the client's own abort, a request the runtime stopped
+# while it ran) end the request normally, with an "abort" finish reason.
+ABORT_STATUS: dict[AbortCause, int] = {AbortCause.TIMEOUT: 408, AbortCause.INVALID: 400}
+
+
+def abort_status(fin: FinishReason | None) -> int | None:
+    """The HTTP status of a request that ended this way, when it is an error."""
+    if fin is None or fin.type != "abort" or fin.cause is None:
+        return None
+    return ABORT_STATUS.get(fin.cause)
+
+
+def api_error(exc: IntakeError, names: Mapping[str, str] | None = None) -> APIError:
+    """The 400 of a refused request, its field named as the calling API names it (``names``: runtime field
+    -> the API's field; fields not in it keep the runtime's name)."""
+    name = (names or {}).get(exc.field or "", exc.field)
+    return APIError(400, f"{name}: {exc.detail}" if name else exc.detail, name)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -101,6 +125,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> Response:
         return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(IntakeError)
+    async def _intake(_: Request, exc: IntakeError) -> Response:
+        err = api_error(exc)
+        return error_response(err.status, err.message, err.param)
 
     @app.exception_handler(ValueError)
     async def _value(_: Request, exc: ValueError) -> Response:

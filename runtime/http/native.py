@@ -15,8 +15,9 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from runtime.core.messages import FlushCacheQuery, ServerInfoQuery
 from runtime.core.sampling_params import SamplingParams
-from runtime.http.errors import APIError, check_types, error_response, parse_json
+from runtime.http.errors import APIError, abort_status, check_types, error_response, parse_json
 from runtime.http.native_protocol import GenerateRequest
 from runtime.http.requests import (
     DONE,
@@ -27,7 +28,8 @@ from runtime.http.requests import (
     submit_all,
     wait_all,
 )
-from runtime.request.intake import SingleRequest, expand, reject_unsupported
+from runtime.request.intake import SingleRequest, from_native, reject_unsupported
+from runtime.request.state import RequestState
 from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 router = APIRouter()
@@ -47,37 +49,39 @@ async def generate(request: Request) -> Response:
     body = await parse_json(request)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    check_types(GenerateRequest, body)  # the flags below are booleans or null from here on
-    stream = bool(body.get("stream"))
-    text_in_lp = bool(body.get("return_text_in_logprobs"))
-    prompt_ids = bool(body.get("return_prompt_token_ids"))
+    req = check_types(GenerateRequest, body)  # JSON types checked; the intake reads the request's fields
     reject_unsupported(body)
-    is_batch, singles = expand(
-        text=body.get("text"), input_ids=body.get("input_ids"), sampling_params=body.get("sampling_params"),
-        rid=body.get("rid"), return_logprob=body.get("return_logprob"),
-        logprob_start_len=body.get("logprob_start_len"), top_logprobs_num=body.get("top_logprobs_num"),
-        cache_salt=body.get("cache_salt"), priority=body.get("priority"), timeout=body.get("timeout"),
-        max_n=tm.args.max_running_requests, extra_key=body.get("extra_key"),
-    )
-    handles = await submit_all(tm, singles, stream)
-    token_text = (lambda t: tm.tokenizer.decode([t])) if text_in_lp else None
-    if stream:
-        return StreamingResponse(_stream(tm, handles, is_batch, token_text, prompt_ids),
+    call = from_native(body, tm.limits.max_n)
+    handles = await submit_all(tm, call.requests)
+    # how the answer is rendered (not part of the request the runtime sees)
+    token_text = (lambda t: tm.tokenizer.decode([t])) if req.return_text_in_logprobs else None
+    prompt_ids = bool(req.return_prompt_token_ids)
+    if req.stream:
+        return StreamingResponse(_stream(tm, handles, call.is_batch, token_text, prompt_ids),
                                  media_type="text/event-stream")
     try:
         states = await wait_all(tm, request, handles)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; the requests were aborted
     for st in states:
-        fin = st.finished
-        if fin is not None and fin.type == "abort" and fin.status_code:
-            return error_response(fin.status_code, fin.message or "request rejected")
-    results = [st.to_native(h.single.return_logprob, h.single.top_logprobs_num, token_text)
-               for st, h in zip(states, handles)]
+        status = abort_status(st.finished)
+        if status is not None:
+            return error_response(status, (st.finished and st.finished.message) or "request rejected")
+    results = [native_result(st, h, token_text) for st, h in zip(states, handles)]
     if prompt_ids:
         for result, h in zip(results, handles):
             result["prompt_token_ids"] = list(h.single.input_ids or [])
-    return json_response(results if is_batch else results[0])
+    return json_response(results if call.is_batch else results[0])
+
+
+def native_result(state: RequestState, handle: ReqHandle, token_text: Any, output_from: int = 0) -> dict[str, Any]:
+    """The SGLang-native object; an abort that is an error carries its HTTP status in the finish reason, as
+    SGLang's does (a stream has sent its 200 by then)."""
+    out = state.to_native(handle.single.options, token_text, output_from)
+    status = abort_status(state.finished)
+    if status is not None:
+        out["meta_info"]["finish_reason"]["status_code"] = status
+    return out
 
 
 async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool,
@@ -91,7 +95,7 @@ async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool
             if (interval is not None and state.finished is None and sent_tokens[i] >= 1
                     and state.completion_tokens - sent_tokens[i] < interval):
                 continue  # the first frame goes out at once, then one per ``interval`` tokens
-            frame = state.to_native(s.return_logprob, s.top_logprobs_num, token_text, sent_logprobs[i])
+            frame = native_result(state, handles[i], token_text, sent_logprobs[i])
             sent_logprobs[i] = len(state.output_logprobs)
             sent_tokens[i] = state.completion_tokens
             if prompt_ids:
@@ -125,7 +129,7 @@ async def get_model_info(request: Request) -> Response:
 @router.get("/server_info")
 async def get_server_info(request: Request) -> Response:
     tm = tm_of(request)
-    reply = await tm.control("server_info")
+    reply = await tm.control(ServerInfoQuery())
     return json_response({
         **tm.args.public_dict(),
         "model_info": tm.model_info,
@@ -149,7 +153,7 @@ async def health_generate(request: Request) -> Response:
         return error_response(503, f"unhealthy: {tm.dead}")
     single = SingleRequest(rid=f"health-{id(request)}", text=None, input_ids=[tm.tokenizer.eos_token_id or 0],
                            sampling=SamplingParams(max_new_tokens=1, temperature=0))
-    handle = await tm.submit(single, stream=False)
+    handle = await tm.submit(single)
     try:
         await asyncio.wait_for(handle.result(), 60)
     except asyncio.TimeoutError:
@@ -160,7 +164,7 @@ async def health_generate(request: Request) -> Response:
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
-    reply = await tm_of(request).control("flush_cache")
+    reply = await tm_of(request).control(FlushCacheQuery())
     if not reply.ok:
         return error_response(400, reply.data.get("message", "the cache was not flushed"))
     return json_response({"message": "Cache flushed."})

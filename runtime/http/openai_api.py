@@ -1,9 +1,11 @@
 """OpenAI-compatible endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
 
-Each call becomes one ``SingleRequest`` per choice (prompt-major: choice ``index = prompt_index * n + j``),
-submitted through the TokenizerManager like ``/generate``. Non-streaming calls wait for all of them
-(a disconnected client aborts them); streaming calls send SSE chunks built from each choice's cumulative
-text, sending only what is new, and abort what is unfinished when the client goes away.
+Each call becomes one ``SingleRequest`` per choice through the intake's expansion (prompt-major: choice
+``index = prompt_index * n + j``), submitted through the TokenizerManager like ``/generate``; the intake's
+checks name fields in the runtime's spelling, which ``COMPLETION_NAMES`` / ``chat_names`` map to this API's.
+Non-streaming calls wait for all of them (a disconnected client aborts them); streaming calls send SSE chunks
+built from each choice's cumulative text, sending only what is new, and abort what is unfinished when the
+client goes away.
 
 Chat requests go through two seams meant for tool calling and constrained output: ``chat_inputs``
 (request -> prompt ids and SamplingParams: template arguments, grammar) and ``assistant_output``
@@ -14,16 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import uuid
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from runtime.core.errors import IntakeError
+from runtime.core.messages import RequestOptions
 from runtime.core.sampling_params import SamplingParams
 from runtime.http.chat_render import render_chat_request
-from runtime.http.errors import APIError, validation_failure
+from runtime.http.errors import APIError, api_error, validation_failure
 from runtime.http.openai_format import (
     AssistantOutput,
     ChoiceStream,
@@ -38,7 +41,6 @@ from runtime.http.openai_format import (
     now,
     pad,
     raise_if_rejected,
-    renamed,
     respond,
     usage,
     visible_output_len,
@@ -46,7 +48,7 @@ from runtime.http.openai_format import (
 from runtime.http.openai_tools import REASONING_PARSERS, ParsedOutput
 from runtime.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtime.http.requests import submit_all
-from runtime.request.intake import SingleRequest
+from runtime.request.intake import Expansion, expand, sampling_params
 from runtime.request.state import RequestState
 from runtime.server.tokenizer_manager import TokenizerManager
 
@@ -78,47 +80,26 @@ def served_model(request: Request, name: str | None) -> str:
                    "(alias 'default').", "model", "model_not_found")
 
 
-def make_sampling(fields: dict[str, Any], vocab_size: int, names: dict[str, str]) -> SamplingParams:
+# The runtime's field names -> /v1/completions' (chat's depend on the request: ``chat_names``).
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
+                    "text": "prompt"}
+
+
+def make_sampling(fields: dict[str, Any], names: dict[str, str]) -> SamplingParams:
     try:
-        sp = SamplingParams.from_dict(fields)
-        sp.validate(vocab_size)
-        return sp
-    except ValueError as exc:
-        raise renamed(exc, names) from None
-
-
-def check_length(n_prompt: int, max_tokens: int, context: int, name: str) -> None:
-    if n_prompt + max_tokens > context:
-        raise APIError(400, f"{name}: the prompt has {n_prompt} tokens and {name} is {max_tokens}, "
-                       f"{n_prompt + max_tokens} in all, over the model's context length of {context}; "
-                       f"lower {name} or shorten the prompt", name)
+        return sampling_params(fields)
+    except IntakeError as exc:
+        raise api_error(exc, names) from None
 
 
 def fan_out(tm: TokenizerManager, prompts: list[list[int]], sp: SamplingParams, req: SamplingFields, *,
-            return_logprob: bool = False, logprob_start_len: int = -1, top: int = 0) -> list[SingleRequest]:
-    """One SingleRequest per choice, prompt-major; sample j of a seeded request uses seed + j."""
-    limit = tm.args.max_running_requests
-    if req.n > limit:
-        raise APIError(400, f"n: at most {limit} choices per request, got {req.n}", "n")
-    if isinstance(req.rid, list):
-        if len(req.rid) != len(prompts):
-            raise APIError(400, f"rid: {len(prompts)} prompts need {len(prompts)} rids, got {len(req.rid)}",
-                           "rid")
-        bases = list(req.rid)
-    else:
-        base = req.rid or uuid.uuid4().hex
-        bases = [base] if len(prompts) == 1 else [f"{base}-{p}" for p in range(len(prompts))]
-    out: list[SingleRequest] = []
-    for ids, base in zip(prompts, bases):
-        for j in range(req.n):
-            rid = base if req.n == 1 else f"{base}-{j}"
-            if rid in tm.handles or any(s.rid == rid for s in out):
-                raise APIError(400, f"rid: request id {rid!r} is already in use", "rid")
-            seed = None if sp.seed is None else sp.seed + j
-            child = dataclasses.replace(sp, n=1, seed=seed)
-            out.append(SingleRequest(rid, None, list(ids), child, return_logprob, logprob_start_len, top,
-                                     req.cache_salt))
-    return out
+            return_logprob: bool = False, logprob_start_len: int = -1, top: int = 0) -> Expansion:
+    """The intake's expansion: one request per choice, prompt-major; sample j of a seeded request uses seed + j.
+    ``rid`` (SGLang's extension) is the call's id: the response is ``<kind>-<call_id>``. Raises IntakeError."""
+    options = RequestOptions(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                             top_logprobs_num=top, cache_namespace=req.cache_salt, stream=req.stream)
+    sp = dataclasses.replace(sp, n=req.n)
+    return expand(prompts, [sp] * len(prompts), [options] * len(prompts), req.rid, tm.limits.max_n)
 
 
 def token_text(request: Request) -> TokenText:
@@ -172,19 +153,16 @@ async def completions(request: Request) -> Response:
                        f"got best_of={req.best_of} and n={req.n}", "best_of")
     texts, prompts = completion_prompts(tm, req.prompt, req.echo)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
-             "text": "prompt"}
-    sp = make_sampling({**req.sampling_dict(), "max_new_tokens": max_tokens}, tm.vocab_size, names)
-    for ids in prompts:
-        check_length(len(ids), max_tokens, tm.context_length, "max_tokens")
+    names = COMPLETION_NAMES
+    sp = make_sampling({**req.sampling_dict(), "max_new_tokens": max_tokens}, names)
     k, n, echo = req.logprobs, req.n, req.echo
-    singles = fan_out(tm, prompts, sp, req, return_logprob=k is not None,
-                      logprob_start_len=0 if echo and k is not None else -1, top=k or 0)
     try:
-        handles = await submit_all(tm, singles, req.stream)
-    except ValueError as exc:
-        raise renamed(exc, names) from None
-    env = Envelope(new_id("cmpl", req.rid if isinstance(req.rid, str) else None), model, req.include_usage)
+        call = fan_out(tm, prompts, sp, req, return_logprob=k is not None,
+                       logprob_start_len=0 if echo and k is not None else -1, top=k or 0)
+        handles = await submit_all(tm, call.requests)
+    except IntakeError as exc:
+        raise api_error(exc, names) from None
+    env = Envelope(new_id("cmpl", call.call_id), model, req.include_usage)
     tt = token_text(request)
     streams = [ChoiceStream() for _ in handles]
 
@@ -222,13 +200,13 @@ async def completions(request: Request) -> Response:
         c.started = True
         lp = logprobs(st, c)
         if st.finished is not None:
-            raise_if_rejected(st, names)
+            raise_if_rejected(st)
             c.done = True
         elif not text and lp is None:
             return None
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish_reason(st)}
 
-    return await respond(request, tm, handles, req.stream, build, chunk, env, "text_completion", n, names)
+    return await respond(request, tm, handles, req.stream, build, chunk, env, "text_completion", n)
 
 
 # ---------------------------------------------------------------------- /v1/chat/completions
@@ -246,7 +224,8 @@ def response_format_schema(req: ChatCompletionRequest) -> str | None:
 
 
 def chat_names(req: ChatCompletionRequest) -> dict[str, str]:
-    """Runtime field names -> this chat request's names (for error messages)."""
+    """The runtime's field names -> this chat request's (the output limit's and a grammar's depend on which
+    field the request used)."""
     fmt = req.response_format
     return {"max_new_tokens": req.max_output[0], "min_new_tokens": "min_tokens", "input_ids": "messages",
             "structural_tag": "tools",
@@ -271,14 +250,9 @@ def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[
         if not message.startswith("messages"):
             message = f"messages: the chat template failed: {message}"
         raise APIError(400, message, "messages") from None
-    ctx = tm.context_length
-    if len(ids) >= ctx:
-        raise APIError(400, f"messages: the prompt has {len(ids)} tokens; the model's context length "
-                       f"is {ctx}", "messages")
-    name, limit = req.max_output
-    if limit is None:
-        limit = ctx - len(ids)
-    check_length(len(ids), limit, ctx, name)
+    limit = req.max_output[1]
+    if limit is None:  # the rest of the context (the intake refuses a prompt that fills it)
+        limit = max(0, tm.context_length - len(ids))
     fields = {**req.sampling_dict(), "max_new_tokens": limit}
     schema = response_format_schema(req)
     grammars = [g for g in (schema, setup.structural_tag, req.json_schema, req.regex, req.ebnf) if g is not None]
@@ -289,7 +263,7 @@ def chat_inputs(tm: TokenizerManager, req: ChatCompletionRequest) -> tuple[list[
         fields["json_schema"] = schema
     if setup.structural_tag is not None:
         fields["structural_tag"] = setup.structural_tag
-    return ids, make_sampling(fields, tm.vocab_size, chat_names(req))
+    return ids, make_sampling(fields, chat_names(req))
 
 
 def assistant_output(tm: TokenizerManager, req: ChatCompletionRequest) -> AssistantOutput:
@@ -309,13 +283,12 @@ async def chat_completions(request: Request) -> Response:
     ids, sp = chat_inputs(tm, req)
     names = chat_names(req)
     k = req.top_logprobs or 0
-    singles = fan_out(tm, [ids], sp, req, return_logprob=req.logprobs, top=k)
     try:
-        handles = await submit_all(tm, singles, req.stream)
-    except ValueError as exc:
-        raise renamed(exc, names) from None
-    rid = req.rid if isinstance(req.rid, str) else None
-    env = Envelope(new_id("chatcmpl", rid), model, req.include_usage)
+        call = fan_out(tm, [ids], sp, req, return_logprob=req.logprobs, top=k)
+        handles = await submit_all(tm, call.requests)
+    except IntakeError as exc:
+        raise api_error(exc, names) from None
+    env = Envelope(new_id("chatcmpl", call.call_id), model, req.include_usage)
     tt = token_text(request)
     streams = [ChoiceStream(post=assistant_output(tm, req)) for _ in handles]
 
@@ -346,7 +319,7 @@ async def chat_completions(request: Request) -> Response:
         c.lp_sent = max(c.lp_sent, end)
         reason = None
         if st.finished is not None:
-            raise_if_rejected(st, names)
+            raise_if_rejected(st)
             delta = merge_delta(delta, c.post.finish_delta())
             reason = c.post.finish_reason(finish_reason(st) or "stop")
             c.done = True
@@ -354,5 +327,4 @@ async def chat_completions(request: Request) -> Response:
             return None
         return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
-    return await respond(request, tm, handles, req.stream, build, chunk, env, "chat.completion.chunk", req.n,
-                         names)
+    return await respond(request, tm, handles, req.stream, build, chunk, env, "chat.completion.chunk", req.n)

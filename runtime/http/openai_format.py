@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.core.sampling_params import SamplingParams
-from runtime.http.errors import APIError, error_body, from_value_error
+from runtime.http.errors import APIError, abort_status, error_body
 from runtime.http.requests import DONE, ClientDisconnected, abort_unfinished, merged_updates, sse, wait_all
 from runtime.request.state import RequestState
 from runtime.server.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
@@ -219,16 +219,6 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def renamed(exc: ValueError, names: dict[str, str]) -> APIError:
-    """A runtime ValueError ("max_new_tokens: ...") with the field named as the OpenAI request names it."""
-    err = from_value_error(exc)
-    if err.param in names:
-        new = names[err.param]
-        err.message = new + err.message[len(err.param or ""):]
-        err.param = new
-    return err
-
-
 async def _client_gone(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -264,14 +254,12 @@ async def close(updates: AsyncIterator[Update]) -> None:
         await aclose()
 
 
-def raise_if_rejected(state: RequestState, names: dict[str, str] | None = None) -> None:
-    """Raise the APIError of a request the runtime refused (an abort with an HTTP status, such as an
-    invalid grammar), its field named as in the OpenAI request."""
-    fin = state.finished
-    if fin is not None and fin.type == "abort" and fin.status_code:
-        err = renamed(ValueError(fin.message or "the request was rejected"), names or {})
-        err.status = fin.status_code
-        raise err
+def raise_if_rejected(state: RequestState) -> None:
+    """Raise the APIError of a request that ended in an error abort (a timeout, say): the intake has
+    refused every request it can name a field of, so these name none."""
+    status = abort_status(state.finished)
+    if status is not None:
+        raise APIError(status, (state.finished and state.finished.message) or "the request was rejected")
 
 
 @dataclass
@@ -294,22 +282,21 @@ class ChoiceStream:
 
 async def respond(request: Request, tm: TokenizerManager, handles: list[ReqHandle], stream: bool,
                   build: Callable[[list[RequestState]], Any], chunk: Callable[[int, RequestState], Any],
-                  env: Envelope, obj: str, n: int, names: dict[str, str] | None = None) -> Response:
+                  env: Envelope, obj: str, n: int) -> Response:
     """Wait for or stream the choices. ``build(states)`` makes the whole response, ``chunk(i, state)``
-    the choice object of one stream chunk (None: nothing new to send). ``names`` renames runtime fields
-    in the messages of refused requests."""
+    the choice object of one stream chunk (None: nothing new to send)."""
     if not stream:
         try:
             states = await wait_all(tm, request, handles)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
         for st in states:
-            raise_if_rejected(st, names)
+            raise_if_rejected(st)
         return json_response(build(states))
     updates = merged_updates(handles)
     try:
         first = await first_update(request, updates)
-        raise_if_rejected(first[1], names)
+        raise_if_rejected(first[1])
     except ClientDisconnected:
         await close(updates)
         await abort_unfinished(tm, handles, "the client disconnected")

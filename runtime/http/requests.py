@@ -25,16 +25,16 @@ def sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest], stream: bool) -> list[ReqHandle]:
-    """Validate every request first, then send them; a bad one rejects the whole call (nothing runs), and so
-    does a waiting queue without room for all of them (429)."""
+async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest]) -> list[ReqHandle]:
+    """Validate every request first (the intake's checks: an IntakeError names the field), then send them; a
+    bad one rejects the whole call (nothing runs), and so does a waiting queue without room for all (429)."""
     tm.check_capacity(len(singles))
     for s in singles:
         tm.prepare(s)
     handles: list[ReqHandle] = []
     try:
         for s in singles:
-            handles.append(await tm.submit(s, stream, checked=True))
+            handles.append(await tm.submit(s, checked=True))
     except BaseException:
         await abort_unfinished(tm, handles, "another request of the same call was rejected")
         raise

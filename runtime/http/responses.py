@@ -23,7 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.http.errors import APIError, check_types, parse_json
+from runtime.core.errors import IntakeError
+from runtime.http.errors import APIError, api_error, check_types, parse_json
 from runtime.http.openai_api import assistant_output, chat_inputs, chat_names, fan_out, served_model, tm_of
 from runtime.http.openai_format import (
     CLIENT_CLOSED,
@@ -35,7 +36,6 @@ from runtime.http.openai_format import (
     merge_delta,
     now,
     raise_if_rejected,
-    renamed,
 )
 from runtime.http.protocol import ChatCompletionRequest, nullable_properties
 from runtime.http.requests import ClientDisconnected, abort_unfinished, merged_updates, submit_all, wait_all
@@ -139,12 +139,22 @@ _CHAT_NAMES = [(re.compile(r"\bmessages(\.\d+)?"), "input"), (re.compile(r"\bmax
                (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1.")]
 
 
+def _rename(text: str) -> str:
+    for pattern, name in _CHAT_NAMES:
+        text = pattern.sub(name, text)
+    return text
+
+
 def as_responses(err: APIError) -> APIError:
     """An error of the chat path, its fields named as this request names them."""
-    for pattern, name in _CHAT_NAMES:
-        err.message = pattern.sub(name, err.message)
-        err.param = pattern.sub(name, err.param) if err.param else err.param
+    err.message = _rename(err.message)
+    err.param = _rename(err.param) if err.param else err.param
     return err
+
+
+def responses_names(chat: ChatCompletionRequest) -> dict[str, str]:
+    """The runtime's field names -> this request's: the chat table, renamed."""
+    return {k: _rename(v) for k, v in chat_names(chat).items()}
 
 
 def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], rid: str) -> ChatCompletionRequest:
@@ -199,12 +209,11 @@ async def create_response(request: Request) -> Response:
         ids, sp = chat_inputs(tm, chat)
     except APIError as err:
         raise as_responses(err) from None
-    names = {k: as_responses(APIError(400, v, v)).message for k, v in chat_names(chat).items()}
-    try:
-        handles = await submit_all(tm, fan_out(tm, [ids], sp, chat), req.stream)
-    except ValueError as exc:
-        raise renamed(exc, names) from None
-    turn = Turn(request, tm, handles, header, items, assistant_output(tm, chat), names)
+    try:  # the response's id is the call's id: its request is named after it
+        handles = await submit_all(tm, fan_out(tm, [ids], sp, chat).requests)
+    except IntakeError as exc:
+        raise api_error(exc, responses_names(chat)) from None
+    turn = Turn(request, tm, handles, header, items, assistant_output(tm, chat))
     return await (turn.stream() if req.stream else turn.whole())
 
 
@@ -212,9 +221,9 @@ class Turn:
     """One running response: waits for or streams its request, then stores the result."""
 
     def __init__(self, request: Request, tm: TokenizerManager, handles: list[ReqHandle], header: ResponseHeader,
-                 items: list[dict[str, Any]], post: AssistantOutput, names: dict[str, str]):
+                 items: list[dict[str, Any]], post: AssistantOutput):
         self.request, self.tm, self.handles, self.header = request, tm, handles, header
-        self.items, self.post, self.names = items, post, names
+        self.items, self.post = items, post
         self.caching = not tm.args.disable_radix_cache
 
     def remember(self, final: dict[str, Any]) -> None:
@@ -227,7 +236,7 @@ class Turn:
             (state,) = await wait_all(self.tm, self.request, self.handles)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED)
-        raise_if_rejected(state, self.names)
+        raise_if_rejected(state)
         end = outcome(state)
         final = self.header.obj(end.status, output_items(self.post.message(state.text), end.item_status),
                                 usage(state, self.caching), end)
@@ -238,7 +247,7 @@ class Turn:
         updates = merged_updates(self.handles)
         try:
             first = await first_update(self.request, updates)
-            raise_if_rejected(first[1], self.names)
+            raise_if_rejected(first[1])
         except ClientDisconnected:
             await close(updates)
             await abort_unfinished(self.tm, self.handles, "the client disconnected")
@@ -260,7 +269,7 @@ class Turn:
                     state = item[1]
                     delta = self.post.delta(sent.new_text(state))
                     if state.finished is not None:
-                        raise_if_rejected(state, self.names)
+                        raise_if_rejected(state)
                         delta = merge_delta(delta, self.post.finish_delta())
                     for e in events.feed(delta):
                         yield sse_event(e)

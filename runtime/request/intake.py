@@ -1,37 +1,108 @@
-"""The ``/generate`` request (SGLang's GenerateReqInput) normalised into single requests.
+"""The request intake: every API's call becomes single requests here, and is checked here, once.
 
-A request may carry one prompt or a batch (``text`` or ``input_ids``), per-prompt or shared
-``sampling_params`` / ``rid`` / logprob options, and ``n`` samples per prompt. ``expand`` returns one
-``SingleRequest`` per sequence to generate, in output order (prompt-major, then sample), so the Engine
-and the HTTP layer share the same rules and error messages.
+* ``expand`` turns a call (prompts, their sampling parameters and options, the caller's ``rid``) into one
+  ``SingleRequest`` per sequence to generate, in output order (prompt-major, then sample): ``n`` samples,
+  request ids, per-sample seeds. ``/generate`` and ``Engine.generate`` reach it through ``from_native``
+  (SGLang's GenerateReqInput: one prompt or a batch, per-prompt or shared values), the OpenAI routes and
+  the Responses API through ``openai_api.fan_out``.
+* ``prepare`` tokenizes a request and runs every check that needs the model (``check``). The HTTP layer and
+  the Engine call it before anything is queued, so the scheduler only asserts.
 
-``reject_unsupported`` covers the rest of SGLang's GenerateReqInput: fields of features this server does
-not have are accepted at their defaults (what SGLang's clients send) and refused by name otherwise.
+Every refusal is an ``IntakeError`` naming the field in the runtime's spelling; each API maps the names to
+its own. ``reject_unsupported`` covers the rest of SGLang's GenerateReqInput: fields of features this
+server does not have are accepted at their defaults (what SGLang's clients send) and refused by name
+otherwise.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from runtime.core.errors import IntakeError
+from runtime.core.messages import RequestOptions, TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
 class SingleRequest:
+    """One sequence to generate: its prompt (text until ``prepare`` tokenizes it), sampling and options."""
+
     rid: str
     text: str | None
     input_ids: list[int] | None
     sampling: SamplingParams
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    cache_salt: str | None = None
-    priority: int = 0  # higher runs first when the server schedules by priority
-    timeout: float | None = None  # seconds from arrival; past it the request is aborted and its KV freed
+    options: RequestOptions = field(default_factory=RequestOptions)
+
+    def message(self) -> TokenizedRequest:
+        """The scheduler's message (after ``prepare``)."""
+        assert self.input_ids is not None, "prepare() tokenizes the request first"
+        return TokenizedRequest(self.rid, self.input_ids, self.sampling, self.options)
 
 
+@dataclass
+class Expansion:
+    """A call as single requests. ``call_id`` is the caller's rid, or a fresh id: every request's rid
+    derives from it, and APIs name their response after it (``cmpl-<call_id>``)."""
+
+    call_id: str
+    requests: list[SingleRequest]
+    is_batch: bool  # answered with a list (a batch of prompts or several samples)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and the KV pool allow: the intake's checks need nothing else."""
+
+    vocab_size: int
+    context_length: int
+    kv_capacity: int  # tokens the KV pool holds
+    max_n: int  # samples per prompt (the running-request limit: more could never run together)
+
+
+# ---------------------------------------------------------------------- expansion
+def expand(prompts: Sequence[str | list[int]], sampling: Sequence[SamplingParams],
+           options: Sequence[RequestOptions], rid: str | Sequence[str] | None, max_n: int,
+           batch: bool = False) -> Expansion:
+    """One request per prompt and sample. ``rid``: one per prompt, or a base (``<rid>-<prompt>`` when
+    there are several prompts); sample ``j`` of ``n > 1`` gets ``<base>-<j>`` and, when seeded, seed + j."""
+    assert len(prompts) == len(sampling) == len(options)
+    call_id = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
+    if isinstance(rid, str) or rid is None:
+        bases = [call_id] if len(prompts) == 1 else [f"{call_id}-{p}" for p in range(len(prompts))]
+    else:
+        if len(rid) != len(prompts):
+            raise IntakeError("rid", f"{len(prompts)} prompts need {len(prompts)} rids, got {len(rid)}")
+        bases = list(rid)
+    out: list[SingleRequest] = []
+    seen: set[str] = set()
+    for prompt, sp, opts, base in zip(prompts, sampling, options, bases):
+        if sp.n > max_n:
+            raise IntakeError("n", f"at most {max_n} samples per prompt, got {sp.n}")
+        for j in range(sp.n):
+            child_rid = base if sp.n == 1 else f"{base}-{j}"
+            if child_rid in seen:
+                raise IntakeError("rid", f"request id {child_rid!r} is already in use")
+            seen.add(child_rid)
+            child = replace(sp, n=1, seed=sp.seed + j if sp.seed is not None else None)
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            out.append(SingleRequest(child_rid, text, ids, child, opts))
+    return Expansion(call_id, out, batch or len(out) > 1)
+
+
+def sampling_params(fields: Mapping[str, Any] | None) -> SamplingParams:
+    """SamplingParams from SGLang's ``sampling_params`` object; an IntakeError names a bad field."""
+    try:
+        return SamplingParams.from_dict(dict(fields or {}))
+    except ValueError as exc:
+        raise IntakeError.of(exc) from None
+
+
+# ---------------------------------------------------------------------- SGLang's GenerateReqInput
 _MULTIMODAL = "this server serves text-only models"
 _DISAGG = "disaggregated prefill and decode is not supported"
 _DATA_PARALLEL = "this server has a single data-parallel rank (0)"
@@ -87,122 +158,126 @@ def _is_default(name: str, value: Any) -> bool:
 
 
 def reject_unsupported(body: dict[str, Any]) -> None:
-    """Raises ValueError naming the first field that asks for a feature this server does not have."""
+    """Raises an IntakeError naming the first field that asks for a feature this server does not have."""
     for name, why in UNSUPPORTED_FIELDS.items():
         if name in body and not _is_default(name, body[name]):
-            raise ValueError(f"{name}: {why}")
+            raise IntakeError(name, why)
 
 
 def _pick(value: Any, i: int, n: int, name: str) -> Any:
     if isinstance(value, list):
         if len(value) != n:
-            raise ValueError(f"{name}: a batch of {n} prompts needs {n} values, got {len(value)}")
+            raise IntakeError(name, f"a batch of {n} prompts needs {n} values, got {len(value)}")
         return value[i]
     return value
 
 
-def expand(
-    text: str | list[str] | None = None,
-    input_ids: list[int] | list[list[int]] | None = None,
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
-    rid: str | list[str] | None = None,
-    return_logprob: bool | list[bool] | None = None,
-    logprob_start_len: int | list[int] | None = None,
-    top_logprobs_num: int | list[int] | None = None,
-    cache_salt: str | list[str] | None = None,
-    priority: int | None = None,
-    timeout: float | None = None,
-    max_n: int = 256,
-    extra_key: str | list[str] | None = None,
-) -> tuple[bool, list[SingleRequest]]:
-    """Returns (is_batch, requests)."""
+def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[str] | list[list[int]]]:
+    """(is a batch, the prompts) of ``text`` or ``input_ids``."""
     if (text is None) == (input_ids is None):
-        raise ValueError("text: give exactly one of text and input_ids")
-    prompts: list[Any]
+        raise IntakeError("text", "give exactly one of text and input_ids")
     if text is not None:
         if isinstance(text, str):
-            batch, prompts = False, [text]
-        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            batch, prompts = True, list(text)
-        else:
-            raise ValueError("text: must be a string or a non-empty list of strings")
-    else:
-        if isinstance(input_ids, list) and input_ids and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in input_ids):
-            batch, prompts = False, [input_ids]
-        elif (isinstance(input_ids, list) and input_ids
-              and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in input_ids)):
-            batch, prompts = True, list(input_ids)
-        else:
-            raise ValueError("input_ids: must be a non-empty list of token ids or a list of such lists")
+            return False, [text]
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return True, list(text)
+        raise IntakeError("text", "must be a string or a non-empty list of strings")
+    if isinstance(input_ids, list) and input_ids and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in input_ids):
+        return False, [input_ids]
+    if (isinstance(input_ids, list) and input_ids
+            and all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in input_ids)):
+        return True, list(input_ids)
+    raise IntakeError("input_ids", "must be a non-empty list of token ids or a list of such lists")
+
+
+def _namespace(salt: Any, key: Any) -> str | None:
+    if salt is not None and not isinstance(salt, str):
+        raise IntakeError("cache_salt", "must be a string")
+    if key is None:
+        return salt
+    if not isinstance(key, str):
+        raise IntakeError("extra_key", "must be a string")
+    # SGLang's extra_key isolates cache entries like cache_salt does; both apply when both are given
+    return f"{salt or ''}\x00extra_key:{key}"
+
+
+def from_native(body: Mapping[str, Any], max_n: int) -> Expansion:
+    """A ``/generate`` body (or ``Engine.generate``'s arguments, which carry the same names) as requests.
+    Per-prompt fields may be a list with one value per prompt or one value for all."""
+    batch, prompts = _prompts(body.get("text"), body.get("input_ids"))
+    rid = body.get("rid")
     if isinstance(rid, list) and not batch:
-        raise ValueError("rid: a single prompt takes a single rid")
+        raise IntakeError("rid", "a single prompt takes a single rid")
+    priority, timeout = body.get("priority"), body.get("timeout")
     if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-        raise ValueError("priority: must be an integer")
+        raise IntakeError("priority", "must be an integer")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError("timeout: must be a number of seconds > 0")
-    n_prompts = len(prompts)
-    out: list[SingleRequest] = []
-    for i, prompt in enumerate(prompts):
-        sp_dict = _pick(sampling_params, i, n_prompts, "sampling_params") or {}
+        raise IntakeError("timeout", "must be a number of seconds > 0")
+    n = len(prompts)
+
+    def pick(name: str, i: int) -> Any:
+        return _pick(body.get(name), i, n, name)
+
+    samplings: list[SamplingParams] = []
+    options: list[RequestOptions] = []
+    for i in range(n):
+        sp_dict = pick("sampling_params", i) or {}
         if not isinstance(sp_dict, dict):
-            raise ValueError("sampling_params: must be an object")
-        sp = SamplingParams.from_dict(sp_dict)
-        if sp.n > max_n:
-            raise ValueError(f"n: at most {max_n} samples per prompt, got {sp.n}")
-        base_rid = _pick(rid, i, n_prompts, "rid") or uuid.uuid4().hex
-        lp = bool(_pick(return_logprob, i, n_prompts, "return_logprob") or False)
-        start = _pick(logprob_start_len, i, n_prompts, "logprob_start_len")
-        top = _pick(top_logprobs_num, i, n_prompts, "top_logprobs_num") or 0
-        if start is None:
-            start = -1
+            raise IntakeError("sampling_params", "must be an object")
+        samplings.append(sampling_params(sp_dict))
+        start = pick("logprob_start_len", i)
+        start = -1 if start is None else start
+        top = pick("top_logprobs_num", i) or 0
         if not isinstance(start, int) or start < -1:
-            raise ValueError("logprob_start_len: must be an integer >= -1")
-        if not isinstance(top, int) or not 0 <= top <= 20:
-            raise ValueError("top_logprobs_num: must be an integer in [0, 20]")
-        salt = _pick(cache_salt, i, n_prompts, "cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError("cache_salt: must be a string")
-        key = _pick(extra_key, i, n_prompts, "extra_key")
-        if key is not None:
-            if not isinstance(key, str):
-                raise ValueError("extra_key: must be a string")
-            # SGLang's extra_key isolates cache entries like cache_salt does; both apply when both are given
-            salt = f"{salt or ''}\x00extra_key:{key}"
-        for j in range(sp.n):
-            child = replace(sp, n=1, seed=sp.seed + j if sp.seed is not None else None)
-            child_rid = base_rid if sp.n == 1 else f"{base_rid}-{j}"
-            out.append(SingleRequest(
-                rid=child_rid,
-                text=prompt if text is not None else None,
-                input_ids=prompt if text is None else None,
-                sampling=child,
-                return_logprob=lp,
-                logprob_start_len=start,
-                top_logprobs_num=top,
-                cache_salt=salt,
-                priority=priority or 0,
-                timeout=float(timeout) if timeout is not None else None,
-            ))
-    return batch or len(out) > 1, out
+            raise IntakeError("logprob_start_len", "must be an integer >= -1")
+        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise IntakeError("top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        options.append(RequestOptions(
+            return_logprob=bool(pick("return_logprob", i)), logprob_start_len=start, top_logprobs_num=top,
+            cache_namespace=_namespace(pick("cache_salt", i), pick("extra_key", i)), priority=priority or 0,
+            timeout=float(timeout) if timeout is not None else None, stream=bool(body.get("stream"))))
+    return expand(prompts, samplings, options, rid, max_n, batch)
 
 
-def check_single(single: SingleRequest, vocab_size: int, context_length: int) -> None:
-    """Checks of a tokenized request that need the model: ids in the vocabulary, the length within the
-    context, a valid grammar. Raises ValueError naming the field (HTTP 400)."""
+# ---------------------------------------------------------------------- the checks that need the model
+def check(single: SingleRequest, limits: Limits) -> None:
+    """Every check of a tokenized request: ids in the vocabulary, the prompt and its output within the
+    context and the KV pool, sampling parameters against the vocabulary, a grammar that compiles."""
     ids = single.input_ids
+    prompt_field = "text" if single.text is not None else "input_ids"
     if not ids:
-        raise ValueError("text: the prompt is empty")
-    if any(t < 0 or t >= vocab_size for t in ids):
-        raise ValueError(f"input_ids: token ids must be in [0, {vocab_size})")
+        raise IntakeError(prompt_field, "the prompt is empty")
+    vocab, ctx = limits.vocab_size, limits.context_length
+    if any(t < 0 or t >= vocab for t in ids):
+        raise IntakeError("input_ids", f"token ids must be in [0, {vocab})")
     sp = single.sampling
-    sp.validate(vocab_size)
-    need = len(ids) + sp.max_new_tokens
-    if need > context_length:
-        raise ValueError(
-            f"max_new_tokens: the prompt has {len(ids)} tokens and {sp.max_new_tokens} more were requested, "
-            f"{need} in all, over the context length of {context_length}")
+    try:
+        sp.validate(vocab)
+    except ValueError as exc:
+        raise IntakeError.of(exc) from None
+    n = len(ids)
+    if n >= ctx:
+        raise IntakeError(prompt_field, f"the prompt has {n} tokens; the model's context length is {ctx}")
+    if n + sp.max_new_tokens > ctx:
+        raise IntakeError("max_new_tokens", f"the prompt has {n} tokens and {sp.max_new_tokens} more were "
+                          f"requested, {n + sp.max_new_tokens} in all, over the model's context length of "
+                          f"{ctx}; ask for fewer or shorten the prompt")
+    if n + 1 > limits.kv_capacity:
+        raise IntakeError(prompt_field, f"the prompt needs {n + 1} KV tokens but the pool holds "
+                          f"{limits.kv_capacity}")
     if sp.grammar is not None:
         from runtime.constrained.grammar import validate_grammar
 
-        validate_grammar(*sp.grammar)
+        try:
+            validate_grammar(*sp.grammar)
+        except ValueError as exc:
+            raise IntakeError.of(exc) from None
+
+
+def prepare(single: SingleRequest, tokenize: Callable[[str], list[int]], limits: Limits) -> None:
+    """Tokenize the request (if it came as text) and check it; raises IntakeError."""
+    if single.input_ids is None:
+        assert single.text is not None
+        single.input_ids = tokenize(single.text)
+    check(single, limits)

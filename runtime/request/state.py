@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.core.messages import FinishReason, ReqOutput
+from runtime.core.messages import FinishReason, ReqOutput, RequestOptions
 
 
 @dataclass
@@ -47,8 +47,8 @@ class RequestState:
         self.output_logprobs.extend(out.output_logprobs)
         self.output_top.extend(out.output_top_logprobs)
 
-    def meta_info(self, return_logprob: bool = False, top_logprobs_num: int = 0,
-                  token_text: Any = None, output_from: int = 0) -> dict[str, Any]:
+    def meta_info(self, options: RequestOptions | None = None, token_text: Any = None,
+                  output_from: int = 0) -> dict[str, Any]:
         """``token_text(id) -> str`` adds each token's text to logprob entries (return_text_in_logprobs);
         output logprobs start at output token ``output_from`` (a stream's frames send each once)."""
 
@@ -63,21 +63,22 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(time.perf_counter() - self.created, 6),
         }
-        if return_logprob:
+        opts = options or RequestOptions()
+        if opts.return_logprob:
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in self.input_logprobs]
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in self.output_logprobs[output_from:]]
             meta["output_token_logprobs_length"] = len(self.output_logprobs)
-            if top_logprobs_num:
+            if opts.top_logprobs_num:
                 meta["input_top_logprobs"] = [
                     [entry(lp, t) for lp, t in top] if top is not None else None for top in self.input_top]
                 meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in top]
                                                for top in self.output_top[output_from:]]
         return meta
 
-    def to_native(self, return_logprob: bool = False, top_logprobs_num: int = 0,
-                  token_text: Any = None, output_from: int = 0) -> dict[str, Any]:
+    def to_native(self, options: RequestOptions | None = None, token_text: Any = None,
+                  output_from: int = 0) -> dict[str, Any]:
         return {
             "text": self.text,
             "output_ids": list(self.output_ids),
-            "meta_info": self.meta_info(return_logprob, top_logprobs_num, token_text, output_from),
+            "meta_info": self.meta_info(options, token_text, output_from),
         }

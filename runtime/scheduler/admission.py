@@ -119,11 +119,11 @@ class PrefillAdder:
         if cache.req_to_token.available == 0:
             return Outcome.STOP
         key = req.tokens[: req.max_prefix_len()]
-        match = cache.match_prefix(key, req.namespace, record=False)
+        match = cache.match_prefix(key, req.options.cache_namespace, record=False)
         if self._shares_with_admitted(req, match.length + match.host_len):
             return Outcome.DEFERRED
         match = cache.load_to_device(match)  # prefix parts kept on the host (or disk) come back first
-        state = cache.new_request(req.namespace)
+        state = cache.new_request(req.options.cache_namespace)
         cache.assign_prefix(state, match)  # lock before re-checking memory
         req.kv = state
         extend = self._room_for(req, req.fill_len - match.length)

@@ -50,7 +50,8 @@ class LPMPolicy(SchedulePolicy):
         if len(waiting) > LPM_MAX_QUEUE or len(waiting) < 2:
             return list(waiting)
         hits = {
-            id(r): cache.match_prefix(r.tokens[: r.max_prefix_len()], r.namespace, record=False).length
+            id(r): cache.match_prefix(r.tokens[: r.max_prefix_len()], r.options.cache_namespace,
+                                      record=False).length
             for r in waiting
         }
         ordered = sorted(waiting, key=lambda r: (r.retractions == 0, -hits[id(r)]))
@@ -70,7 +71,7 @@ class PriorityPolicy(SchedulePolicy):
 
     def urgency(self, req: Req) -> int:
         """Smaller runs sooner."""
-        return self.sign * req.priority
+        return self.sign * req.options.priority
 
     def order(self, waiting: list[Req], cache: PrefixCache) -> list[Req]:
         ordered = sorted(self.inner.order(waiting, cache), key=self.urgency)

@@ -1,4 +1,6 @@
-"""Req: the scheduler's state of one request, from arrival to finish (including retraction and resume)."""
+"""Req: the scheduler's state of one request, from arrival to finish (including retraction and resume).
+
+Its options are the ``RequestOptions`` object the request arrived with, kept by reference."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radix.base import ReqKV
-from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
+from runtime.core.messages import FinishReason, ReqOutput, RequestOptions, TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
 
 
@@ -18,13 +20,8 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    namespace: str | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)
     eos_ids: frozenset[int] = frozenset()
-    stream: bool = False
-    priority: int = 0
 
     output_ids: list[int] = field(default_factory=list)
     # All tokens (prompt + output) as int32: the key the cache matches, kept in step with output_ids.
@@ -53,16 +50,21 @@ class Req:
             input_ids=list(msg.input_ids),
             sampling=msg.sampling,
             seed=msg.sampling.seed if msg.sampling.seed is not None else seed,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            namespace=msg.cache_salt,
+            options=msg.options,
             eos_ids=eos_ids,
-            stream=msg.stream,
-            priority=msg.priority,
         )
         req.tokens = array("i", req.input_ids)
         return req
+
+    # The two options the sampler reads of a row (runtime/executor/sampling_batch.SamplingRow): views of
+    # ``options``, not copies.
+    @property
+    def return_logprob(self) -> bool:
+        return self.options.return_logprob
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.options.top_logprobs_num
 
     # ------------------------------------------------------------------ progress
     @property
@@ -80,14 +82,15 @@ class Req:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and not self.input_logprobs_done
+        opts = self.options
+        return opts.return_logprob and opts.logprob_start_len >= 0 and not self.input_logprobs_done
 
     @property
     def prompt_logprob_start(self) -> int:
         """First prompt position whose logprob is reported (len(prompt) when none are)."""
         if not self.wants_prompt_logprobs:
             return len(self.input_ids)
-        return min(self.logprob_start_len, len(self.input_ids))
+        return min(self.options.logprob_start_len, len(self.input_ids))
 
     def max_prefix_len(self) -> int:
         """How much cached KV a (re)admission may reuse. At least one token is always computed, so the

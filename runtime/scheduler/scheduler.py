@@ -40,7 +40,7 @@ from typing import Any
 from radix.base import PrefixCache
 from runtime.config import ServerArgs
 from runtime.constrained.grammar import GrammarBackend, GrammarMasker
-from runtime.core.messages import FinishReason, ReqOutput, TokenizedRequest
+from runtime.core.messages import AbortCause, FinishReason, ReqOutput, TokenizedRequest
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
@@ -103,7 +103,7 @@ class Scheduler:
         req = Req.from_message(msg, seed=self.rng.getrandbits(63), eos_ids=self.eos_ids)
         error = self._admissible(req)
         if error:
-            self._finish_early(req, FinishReason("abort", message=error, status_code=400))
+            self._finish_early(req, FinishReason("abort", message=error, cause=AbortCause.INVALID))
             return
         grammar = req.sampling.grammar
         if grammar is not None:
@@ -128,13 +128,15 @@ class Scheduler:
                 continue
             exc = fut.exception()
             if exc is not None:
-                self._finish_early(req, FinishReason("abort", message=str(exc), status_code=400))
+                self._finish_early(req, FinishReason("abort", message=str(exc), cause=AbortCause.INVALID))
                 continue
             req.grammar = self._grammar_backend().matcher(fut.result())
             self.waiting.append(req)
         self.compiling = still
 
     def _admissible(self, req: Req) -> str | None:
+        """A guard for a direct ``submit`` (tests, tools): the APIs' intake (``runtime.request.intake.check``)
+        refuses these requests before they are sent, so none of them reaches this through a server."""
         n = len(req.input_ids)
         if n == 0:
             return "the prompt is empty"
@@ -144,7 +146,7 @@ class Scheduler:
             return f"the prompt needs {n + 1} KV tokens but the pool holds {self.runner.allocator.capacity}"
         return None
 
-    def abort(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> bool:
+    def abort(self, rid: str, message: str = "aborted by request", cause: AbortCause = AbortCause.CLIENT) -> bool:
         """Remove ``rid`` from the queue or the running batch and free its KV; False if unknown."""
         self.drain()
         for req in self.waiting + [r for r, _ in self.compiling]:
@@ -153,7 +155,7 @@ class Scheduler:
                     self.waiting.remove(req)
                 else:
                     self.compiling = [(r, f) for r, f in self.compiling if r is not req]
-                self._finish_early(req, FinishReason("abort", message=message, status_code=status_code))
+                self._finish_early(req, FinishReason("abort", message=message, cause=cause))
                 return True
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid:
@@ -161,7 +163,7 @@ class Scheduler:
                     self.chunked = None
                 else:
                     self.running.remove(req)
-                self._finish(req, FinishReason("abort", message=message, status_code=status_code))
+                self._finish(req, FinishReason("abort", message=message, cause=cause))
                 self._pending.append(req.take_output())
                 return True
         return False
@@ -362,7 +364,8 @@ class Scheduler:
                 token = sampled.token_ids[k]
                 req.append_token(token)
                 if req.grammar is not None and not req.grammar.accept_token(token):
-                    self._finish(req, FinishReason("abort", message=f"token {token} violates the grammar"))
+                    self._finish(req, FinishReason("abort", message=f"token {token} violates the grammar",
+                                                   cause=AbortCause.ERROR))
                     outputs.append(req.take_output())
                     continue
                 if req.return_logprob:
@@ -379,7 +382,7 @@ class Scheduler:
                 if i >= inp.num_decodes:  # its prompt is complete: cache it now, others may hit it
                     self.cache.cache_unfinished_req(req.kv, req.tokens[: req.kv_len - (id(req) in ahead)])
                 still_running.append(req)
-            if req.finished is not None or req.stream:
+            if req.finished is not None or req.options.stream:
                 outputs.append(req.take_output())
         self.running = still_running
         return outputs

@@ -15,14 +15,7 @@ from typing import Any
 from radix.radix_cache import RadixCache
 from radix.snapshot import SnapshotNode, TreeSnapshot
 
-DASHBOARD_KINDS = ("cache_tree", "dashboard_stats")
 PREVIEW_TOKENS = 32  # token ids sent per node for its text preview (decoded in the main process)
-
-
-def dashboard_query(scheduler: Any, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-    if kind == "cache_tree":
-        return cache_tree(scheduler, int(params.get("max_nodes", 500)), int(params.get("min_tokens", 1)))
-    return live_stats(scheduler)
 
 
 def cache_tree(scheduler: Any, max_nodes: int, min_tokens: int) -> dict[str, Any]:

@@ -21,13 +21,17 @@ from runtime.config import ServerArgs
 from runtime.core.messages import (
     AbortRequest,
     BatchTokenOut,
+    CacheTreeQuery,
+    ControlQuery,
     ControlReply,
-    ControlRequest,
+    DashboardStatsQuery,
+    FlushCacheQuery,
     SchedulerStatus,
+    ServerInfoQuery,
     TokenizedRequest,
 )
 from runtime.logging_setup import configure_logging
-from runtime.server.dashboard_queries import DASHBOARD_KINDS, dashboard_query
+from runtime.server.dashboard_queries import cache_tree, live_stats
 from runtime.server.ipc import Endpoints, ProcessReady, decode, die_with_parent, encode, parent_alive, pull, push
 from runtime.server.kv_events import EventPublisher
 
@@ -120,25 +124,30 @@ class SchedulerLoop:
             if isinstance(msg, TokenizedRequest):
                 self.scheduler.submit(msg)
             elif isinstance(msg, AbortRequest):
-                self.scheduler.abort(msg.rid, msg.message, msg.status_code)
-            elif isinstance(msg, ControlRequest):
+                self.scheduler.abort(msg.rid, msg.message, msg.cause)
+            elif isinstance(msg, ControlQuery):
                 self.to_tm.send(encode(self._control(msg)))
 
-    def _control(self, msg: ControlRequest) -> ControlReply:
+    def _control(self, msg: ControlQuery) -> ControlReply:
         try:
-            if msg.kind == "server_info":
-                # the pid lets an operator (or a test) find the scheduler among the server's processes
-                return ControlReply(msg.req_id, True, {**self.scheduler.server_info(), "scheduler_pid": os.getpid()})
-            if msg.kind == "flush_cache":
-                ok = self.scheduler.flush_cache()
-                return ControlReply(msg.req_id, ok, {} if ok else {
-                    "message": "the cache cannot be flushed while requests are queued or running"})
-            if msg.kind in DASHBOARD_KINDS:  # read-only views for the dashboard (runtime/server/dashboard_queries.py)
-                return ControlReply(msg.req_id, True, dashboard_query(self.scheduler, msg.kind, msg.params))
-            return ControlReply(msg.req_id, False, {"message": f"unknown control request {msg.kind!r}"})
+            return ControlReply(msg.req_id, *self._answer(msg))
         except Exception as exc:
-            logger.exception("control request %s failed", msg.kind)
+            logger.exception("control query %s failed", type(msg).__name__)
             return ControlReply(msg.req_id, False, {"message": str(exc)})
+
+    def _answer(self, msg: ControlQuery) -> tuple[bool, dict[str, Any]]:
+        """(ok, data) of one query; the dashboard's are read-only views (runtime/server/dashboard_queries.py)."""
+        if isinstance(msg, ServerInfoQuery):
+            # the pid lets an operator (or a test) find the scheduler among the server's processes
+            return True, {**self.scheduler.server_info(), "scheduler_pid": os.getpid()}
+        if isinstance(msg, FlushCacheQuery):
+            ok = self.scheduler.flush_cache()
+            return ok, {} if ok else {"message": "the cache cannot be flushed while requests are queued or running"}
+        if isinstance(msg, CacheTreeQuery):
+            return True, cache_tree(self.scheduler, msg.max_nodes, msg.min_tokens)
+        if isinstance(msg, DashboardStatsQuery):
+            return True, live_stats(self.scheduler)
+        return False, {"message": f"unknown control query {type(msg).__name__}"}
 
     def _maybe_status(self) -> None:
         now = time.perf_counter()

@@ -1,6 +1,6 @@
 """TokenizerManager: the main process's side of every request.
 
-It tokenizes prompts and renders chat templates, checks lengths against the context, sends
+It tokenizes prompts and renders chat templates, runs the intake's checks (``runtime.request.intake``), sends
 ``TokenizedRequest`` messages to the scheduler, and resolves each request's handle as the detokenizer's
 ``BatchStrOut`` messages arrive (one receive loop for all requests). It also carries control queries
 (server info, cache flush) and keeps the scheduler's latest status for /metrics.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,17 +18,11 @@ import zmq
 import zmq.asyncio
 
 from runtime.config import ServerArgs
-from runtime.core.messages import (
-    AbortRequest,
-    BatchStrOut,
-    ControlReply,
-    ControlRequest,
-    SchedulerStatus,
-    TokenizedRequest,
-)
+from runtime.core.errors import IntakeError
+from runtime.core.messages import AbortCause, AbortRequest, BatchStrOut, ControlQuery, ControlReply, SchedulerStatus
 from runtime.models.tokenizer import load_chat_template
 from runtime.parsers.tool_formats import make_tool_format
-from runtime.request.intake import SingleRequest, check_single
+from runtime.request.intake import Limits, SingleRequest, prepare
 from runtime.request.state import RequestState
 from runtime.server.ipc import Endpoints, decode, encode
 
@@ -49,13 +42,9 @@ class QueueFull(RuntimeError):
         self.retry_after = 1
 
 
-TIMEOUT_STATUS = 408
-
-
 class ReqHandle:
-    def __init__(self, single: SingleRequest, stream: bool):
+    def __init__(self, single: SingleRequest):
         self.single = single
-        self.stream = stream
         self.state = RequestState(single.rid)
         self.changed = asyncio.Event()
         self.failed: str | None = None
@@ -63,6 +52,10 @@ class ReqHandle:
     @property
     def rid(self) -> str:
         return self.single.rid
+
+    @property
+    def stream(self) -> bool:
+        return self.single.options.stream
 
     @property
     def done(self) -> bool:
@@ -96,6 +89,8 @@ class TokenizerManager:
         self.tool_format = make_tool_format(args.tool_call_parser, self.chat_template_text)
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
+        self.limits = Limits(self.vocab_size, self.context_length, int(model_info["max_total_tokens"]),
+                             args.max_running_requests)
         self.endpoints = endpoints
         self.handles: dict[str, ReqHandle] = {}
         self.status: SchedulerStatus | None = None
@@ -148,11 +143,8 @@ class TokenizerManager:
         return list(self.tokenizer(text).input_ids)
 
     def prepare(self, single: SingleRequest) -> None:
-        """Tokenize and check one request; raises ValueError (naming the field) for a bad one."""
-        if single.input_ids is None:
-            assert single.text is not None
-            single.input_ids = self.tokenize(single.text)
-        check_single(single, self.vocab_size, self.context_length)
+        """Tokenize and check one request; raises IntakeError (naming the field) for a bad one."""
+        prepare(single, self.tokenize, self.limits)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -172,30 +164,29 @@ class TokenizerManager:
         if queued + count > limit:
             raise QueueFull(queued, limit)
 
-    async def submit(self, single: SingleRequest, stream: bool, checked: bool = False) -> ReqHandle:
+    async def submit(self, single: SingleRequest, checked: bool = False) -> ReqHandle:
         """Send one request to the scheduler (``checked``: ``prepare`` already ran on it)."""
         if self.dead:
             raise ServerUnavailable(self.dead)
         if single.rid in self.handles:
-            raise ValueError(f"rid: request id {single.rid!r} is already in use")
+            raise IntakeError("rid", f"request id {single.rid!r} is already in use")
         if not checked:
             self.prepare(single)
-        handle = ReqHandle(single, stream)
+        handle = ReqHandle(single)
         self.handles[single.rid] = handle
-        timeout = single.timeout if single.timeout is not None else self.args.request_timeout
+        timeout = single.options.timeout
+        if timeout is None:
+            timeout = self.args.request_timeout
         if timeout is not None:
             self._timers[single.rid] = asyncio.get_running_loop().call_later(timeout, self._expire, single.rid,
                                                                              timeout)
-        assert single.input_ids is not None
-        await self._to_sched.send(encode(TokenizedRequest(
-            single.rid, single.input_ids, single.sampling, single.return_logprob, single.logprob_start_len,
-            single.top_logprobs_num, stream, single.cache_salt, single.priority)))
+        await self._to_sched.send(encode(single.message()))
         return handle
 
-    async def abort(self, rid: str, message: str = "aborted by request", status_code: int | None = None) -> None:
+    async def abort(self, rid: str, message: str = "aborted by request", cause: AbortCause = AbortCause.CLIENT) -> None:
         if self.dead:
             return
-        await self._to_sched.send(encode(AbortRequest(rid, message, status_code)))
+        await self._to_sched.send(encode(AbortRequest(rid, message, cause)))
 
     def _expire(self, rid: str, timeout: float) -> None:
         """A request ran past its deadline: abort it (the scheduler frees its KV and reports the abort)."""
@@ -203,7 +194,7 @@ class TokenizerManager:
         if rid in self.handles:
             logger.info("request %s timed out after %.3g s; aborting it", rid, timeout)
             task = asyncio.ensure_future(self.abort(
-                rid, f"timeout: the request did not finish within {timeout:g} s", TIMEOUT_STATUS))
+                rid, f"timeout: the request did not finish within {timeout:g} s", AbortCause.TIMEOUT))
             self._expiring.add(task)  # held until sent (the loop keeps only weak references to tasks)
             task.add_done_callback(self._expiring.discard)
 
@@ -213,17 +204,17 @@ class TokenizerManager:
         if timer is not None:
             timer.cancel()
 
-    async def control(self, kind: str, params: dict[str, Any] | None = None) -> ControlReply:
+    async def control(self, query: ControlQuery) -> ControlReply:
+        """Send a query to the scheduler and wait for its reply."""
         if self.dead:
             raise ServerUnavailable(self.dead)
-        req_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self._controls[req_id] = fut
+        self._controls[query.req_id] = fut
         try:
-            await self._to_sched.send(encode(ControlRequest(req_id, kind, params or {})))
+            await self._to_sched.send(encode(query))
             return await asyncio.wait_for(fut, CONTROL_TIMEOUT)
         finally:
-            self._controls.pop(req_id, None)
+            self._controls.pop(query.req_id, None)
 
     # ------------------------------------------------------------------ receive loop
     async def _recv_loop(self) -> None:

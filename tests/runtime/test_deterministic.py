@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.config import ServerArgs
-from runtime.core.messages import TokenizedRequest
+from runtime.core.messages import RequestOptions, TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
 from runtime.executor.model_runner import ModelRunner
 from runtime.models.loader import load_tokenizer
@@ -43,8 +43,8 @@ def run(sched: Scheduler, reqs: list[tuple[str, list[int], dict, int]],
     while pending or sched.busy:
         while pending and pending[0][3] <= step:
             rid, ids, sp, _a = pending.pop(0)
-            sched.submit(TokenizedRequest(rid, ids, SamplingParams.from_dict(sp), return_logprob=True,
-                                          top_logprobs_num=2))
+            sched.submit(TokenizedRequest(rid, ids, SamplingParams.from_dict(sp),
+                                          RequestOptions(return_logprob=True, top_logprobs_num=2)))
         for out in sched.step():
             toks, fin, lps, tops = got[out.rid]
             toks += out.new_token_ids

@@ -10,6 +10,14 @@ import time
 
 import pytest
 
+from runtime.config import ServerArgs
+from runtime.core.errors import IntakeError
+from runtime.core.messages import AbortCause, TokenizedRequest
+from runtime.core.sampling_params import SamplingParams
+from runtime.executor.model_runner import ModelRunner
+from runtime.models.loader import load_tokenizer
+from runtime.models.tokenizer import eos_token_ids
+from runtime.scheduler.scheduler import Scheduler
 from tests.oracle import WITH_TOP2, assert_all_agree
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -191,7 +199,24 @@ def test_flush_cache(tiny_engine):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prompt_larger_than_pool_is_refused(tiny_engine, page_size):
+    """The intake refuses it before anything is queued, and the engine serves on."""
     engine = tiny_engine(max_total_tokens=64, page_size=page_size, chunked_prefill_size=32)
-    out = engine.generate(input_ids=list(range(100, 200)), sampling_params={"max_new_tokens": 2})
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert "pool" in out["meta_info"]["finish_reason"]["message"]
+    with pytest.raises(IntakeError, match="pool") as err:
+        engine.generate(input_ids=list(range(100, 200)), sampling_params={"max_new_tokens": 2})
+    assert err.value.field == "input_ids"
+    out = engine.generate(input_ids=list(range(100, 110)), sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_the_scheduler_guards_a_direct_submit(tiny_model_dir):
+    """A request that skips the intake (a direct ``Scheduler.submit``) cannot corrupt the pool: it is aborted."""
+    args = ServerArgs(model=str(tiny_model_dir), max_total_tokens=64, log_level="warning").resolve()
+    runner = ModelRunner(args)
+    tok = load_tokenizer(runner.model_path)
+    sched = Scheduler(args, runner, tok, eos_token_ids(tok, runner.hf_config, runner.model_path))
+    sched.submit(TokenizedRequest("big", list(range(100, 200)), SamplingParams(max_new_tokens=2)))
+    (out,) = sched.step()
+    fin = out.finished
+    assert fin is not None and fin.type == "abort" and fin.cause is AbortCause.INVALID and "pool" in (fin.message or "")
+    assert sched.idle and sched.check_integrity()["private"] == 0
+    sched.close()

@@ -3,6 +3,7 @@ scheduler admits in the order its policy gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from radix import PagedAllocator, RadixCache, ReqToTokenPool
-from runtime.core.messages import TokenizedRequest
+from runtime.core.messages import RequestOptions, TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
 from runtime.scheduler.policy import LPM_MAX_QUEUE, FCFSPolicy, LPMPolicy, PriorityPolicy, make_schedule_policy
 from runtime.scheduler.req import Req
@@ -27,8 +28,8 @@ def cache_with(*prompts: list[int]) -> RadixCache:
 
 
 def req(rid: str, tokens: list[int], retractions: int = 0, priority: int = 0) -> Req:
-    r = Req.from_message(TokenizedRequest(rid, tokens, SamplingParams(max_new_tokens=4), priority=priority), seed=0,
-                         eos_ids=frozenset())
+    msg = TokenizedRequest(rid, tokens, SamplingParams(max_new_tokens=4), RequestOptions(priority=priority))
+    r = Req.from_message(msg, seed=0, eos_ids=frozenset())
     r.retractions = retractions
     return r
 
@@ -128,6 +129,6 @@ def test_retraction_gives_back_the_lowest_priority_first() -> None:
         r.arrival = float(i)
     assert LPMPolicy().retraction_victim(running).rid == "new-low"  # newest
     assert make_schedule_policy("lpm", by_priority=True).retraction_victim(running).rid == "new-low"
-    running[2].priority = 20
+    running[2].options = dataclasses.replace(running[2].options, priority=20)
     assert make_schedule_policy("lpm", by_priority=True).retraction_victim(running).rid == "old-low"
     assert LPMPolicy().retraction_victim(running).rid == "new-low"

@@ -45,7 +45,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat over the context", CHAT, {"messages": USER, "max_tokens": 5000}, 400, "max_tokens"),
     ("max_completion_tokens over the context", CHAT, {"messages": USER, "max_completion_tokens": 4096}, 400,
      "max_completion_tokens"),
-    ("prompt alone over the context", COMP, {"prompt": [5] * 5000, "max_tokens": 1}, 400, "max_tokens"),
+    # the prompt alone fills the context: lowering max_tokens cannot help, so the error names the prompt
+    ("prompt alone over the context", COMP, {"prompt": [5] * 5000, "max_tokens": 1}, 400, "prompt"),
     ("suffix", COMP, {"prompt": "a", "suffix": "b"}, 400, "suffix"),
     ("best_of", COMP, {"prompt": "a", "best_of": 3}, 400, "best_of"),
     ("unknown model (completions)", COMP, {"model": "gpt-4", "prompt": "a"}, 404, "model"),
