@@ -213,10 +213,13 @@ class PrefixCache(ABC):
     def cache_unfinished_req(self, state: ReqKV, tokens: TokenSeq) -> None:
         """A request is mid-way (chunked prefill): make its computed prefix matchable by others."""
 
-    def load_to_device(self, match: MatchResult) -> MatchResult:
-        """The whole cached prefix of a fresh ``match`` with its KV on the device, ready for ``assign_prefix``
-        (call it at once). A cache with one tier has nothing to load; a tiered cache brings back the parts
-        kept on lower tiers, or returns the device part alone when the device has no room for them."""
+    def load_to_device(
+        self, match: MatchResult, key: TokenSeq | None = None, namespace: Hashable | None = None
+    ) -> MatchResult:
+        """The whole cached prefix of a fresh ``match`` of ``key`` in ``namespace`` with its KV on the device,
+        ready for ``assign_prefix`` (call it at once). A cache with one tier has nothing to load; a tiered
+        cache brings back the parts kept on lower tiers (a disk tier may extend the match past the tree:
+        ``key`` bounds how far), or returns the device part alone when the device has no room for them."""
         return match
 
     # ------------------------------------------------------------------ request bookkeeping

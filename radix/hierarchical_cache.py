@@ -115,7 +115,9 @@ class HierarchicalRadixCache(RadixCache):
             self.record_lookup(int(kv.numel()), len(key) >> 2)
         return MatchResult(kv, path[i - 1] if i else root, tuple(path[i:]))
 
-    def load_to_device(self, match: MatchResult) -> MatchResult:
+    def load_to_device(
+        self, match: MatchResult, key: TokenSeq | None = None, namespace: Hashable | None = None
+    ) -> MatchResult:
         """``load_back`` for the scheduler's admission: the caller's stream waits for the copy (on CPU it is
         already done), and a device without room leaves the match at its device part (the rest is computed)."""
         if not match.host_len:

@@ -122,7 +122,7 @@ class PrefillAdder:
         match = cache.match_prefix(key, req.options.cache_namespace, record=False)
         if self._shares_with_admitted(req, match.length + match.host_len):
             return Outcome.DEFERRED
-        match = cache.load_to_device(match)  # prefix parts kept on the host (or disk) come back first
+        match = cache.load_to_device(match, key, req.options.cache_namespace)  # host/disk parts come back first
         state = cache.new_request(req.options.cache_namespace)
         cache.assign_prefix(state, match)  # lock before re-checking memory
         req.kv = state

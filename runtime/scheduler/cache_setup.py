@@ -3,10 +3,15 @@ memory hierarchy (host pool, then an optional disk tier)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
 from radix.base import PrefixCache
+from radix.disk_cache import DiskTieredRadixCache
+from radix.disk_format import KVFingerprint, canonical_json, dtype_name, tokenizer_digest, weights_digest
+from radix.disk_store import DiskKVStore, DiskTierError
+from radix.disk_tier import DiskTier
 from radix.hierarchical_cache import HierarchicalRadixCache
 from radix.host_pool import HostKVPool, host_capacity_tokens
 from radix.naive_cache import NaiveCache
@@ -31,5 +36,61 @@ def make_cache(args: ServerArgs, runner: Any, event_sink: Any = None) -> PrefixC
     logger.info("hierarchical cache: host pool of %d tokens (%.1f MB, %.1fx the KV pool), %s",
                 tokens, tokens * kv.shape.bytes_per_token / 2**20, tokens / runner.allocator.capacity,
                 args.hicache_write_policy)
-    return HierarchicalRadixCache(runner.allocator, runner.req_to_token, kv, pool, args.hicache_write_policy,
-                                  args.eviction_policy, event_sink)
+    if args.hicache_storage_backend is None:
+        return HierarchicalRadixCache(runner.allocator, runner.req_to_token, kv, pool, args.hicache_write_policy,
+                                      args.eviction_policy, event_sink)
+    disk = open_disk_tier(args, runner)
+    return DiskTieredRadixCache(runner.allocator, runner.req_to_token, kv, pool, disk, args.hicache_write_policy,
+                                args.eviction_policy, event_sink)
+
+
+def open_disk_tier(args: ServerArgs, runner: Any) -> DiskTier:
+    """The 'file' storage backend: a ``DiskKVStore`` in --hicache-storage-dir for this server's fingerprint.
+    A directory that cannot be used is a start-up error naming the flag."""
+    assert args.hicache_storage_dir is not None
+    fp = kv_fingerprint(args, runner)
+    capacity = int(args.hicache_storage_size * GB) if args.hicache_storage_size else None
+    try:
+        store = DiskKVStore(args.hicache_storage_dir, fp, capacity)
+    except DiskTierError as e:
+        raise ValueError(f"--hicache-storage-dir {args.hicache_storage_dir}: {e}") from e
+    disk = DiskTier(store, runner.kv.shape, runner.kv.page_size)
+    logger.info("disk KV tier: %s holds %d blocks (%.1f MB) for this model; blocks of %d tokens, capacity %s",
+                   store.directory, len(store), store.bytes_used / 2**20, disk.block_tokens,
+                   f"{args.hicache_storage_size} GB" if capacity else "unbounded")
+    return disk
+
+
+def kv_fingerprint(args: ServerArgs, runner: Any) -> KVFingerprint:
+    """Everything that makes this server's KV what it is (``radix.disk_format``): blocks written under
+    another fingerprint are never read."""
+    cfg = runner.hf_config
+    if runner.random_weights:
+        # no files: the weights are drawn from the seed, on the device (CPU and CUDA draw differently)
+        text = f"{args.model}|seed={args.random_seed}|{runner.device.type}|{dtype_name(runner.kv.shape.dtype)}"
+        weights = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    else:
+        weights = weights_digest([runner.model_path])
+    try:
+        tokenizer = tokenizer_digest(args.tokenizer or runner.model_path)
+    except FileNotFoundError:
+        tokenizer = "none"  # a tokenizer kept inside the weights (GGUF) is covered by their digest
+    shape = runner.kv.shape
+    # numerics that change the KV bits without changing the model: a deterministic server must only read KV
+    # that deterministic kernels computed, and int8 weights give other KV than float ones
+    numerics = {"deterministic": bool(args.enable_deterministic_inference), "quantization": args.quantization,
+                "sliding_window": getattr(cfg, "sliding_window", None)}
+    return KVFingerprint(
+        weights=weights,
+        kv_dtype=dtype_name(shape.dtype),
+        page_size=runner.kv.page_size,
+        num_layers=shape.num_layers,
+        kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tokenizer=tokenizer,
+        rope_theta=float(getattr(cfg, "rope_theta", 10000.0) or 10000.0),
+        rope_scaling=canonical_json(getattr(cfg, "rope_scaling", None)),
+        max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        attention=canonical_json(numerics),
+        namespace="default",
+    )

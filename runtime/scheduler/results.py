@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from radix.base import CacheStats, PrefixCache
+from radix.disk_cache import DiskCacheStats
 from radix.naive_cache import NaiveCache
 from runtime.executor.sampler import Sampler
 from runtime.scheduler.batch import StepBatch
@@ -65,11 +66,14 @@ def status_report(cache: PrefixCache, stats: SchedulerStats, policy: SchedulePol
 
 
 def tier_report(cs: CacheStats) -> dict[str, Any]:
-    """Hits and traffic per memory tier (``device`` only, unless the hierarchical cache is on)."""
+    """Hits and traffic per memory tier (``device`` only, unless the hierarchical cache is on; ``disk`` with
+    its storage backend: hit tokens, blocks written/read, bytes, corrupted blocks, load time)."""
     out: dict[str, Any] = {"device": {"hit_tokens": cs.device_hit_tokens, "cached_tokens": cs.cached_tokens}}
     if cs.host_capacity:
         out["host"] = {"hit_tokens": cs.host_hit_tokens, "cached_tokens": cs.host_tokens,
                        "host_only_tokens": cs.host_only_tokens, "capacity": cs.host_capacity,
                        "dropped_tokens": cs.host_evicted_tokens, "bytes_to_host": cs.bytes_to_host,
                        "bytes_to_device": cs.bytes_to_device}
+    if isinstance(cs, DiskCacheStats):
+        out["disk"] = dict(cs.disk)
     return out

@@ -1,0 +1,149 @@
+"""DiskTieredRadixCache: the hierarchical cache (device + host) with a disk tier (``radix.disk_tier``) below.
+
+The tree itself is the host tier's (``radix.hierarchical_cache``): the disk holds no tree nodes, only
+blocks named by their prefix's chained hash, so a fresh process (a restart) starts with an empty tree and
+a full disk. What this class adds:
+
+* Write-through to disk. When the tree caches a request's tokens (``cache_finished_req``, and
+  ``cache_unfinished_req`` after each prefill chunk), the complete disk blocks of that prefix that are not
+  on disk yet are gathered from the request's device slots and queued for the background writer. A
+  finished request's last token is left out: in the overlap loop its KV may still be being written by the
+  batch in flight.
+* Reads at admission. ``load_to_device(match, key, namespace)`` first loads the match's host part (as the
+  host tier does); then, if the match stops short of the caller's key, it reads the disk blocks from the
+  one holding the match's end on, in order, up to the first missing or corrupt one; allocates device
+  slots for the new positions (the matched prefix locked meanwhile, so making room cannot evict it), copies
+  the KV in, inserts the tokens into the tree and returns a fresh device match. Only blocks that lie wholly
+  inside ``key`` are used: the caller's key is what it may reuse, and a block's hash needs all its tokens.
+
+``reset`` (``/flush_cache``) flushes the device and host tiers and waits for queued disk writes; the blocks
+on disk stay (they are what a restart resumes from; ``DiskKVStore.clear`` removes them).
+
+Accounting: disk blocks hold no slots, so ``check_integrity`` is the host tier's unchanged; the slots a
+load allocates are either adopted by the tree (``insert``) or freed at once (duplicates).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from radix.allocator import PagedAllocator, ReqToTokenPool
+from radix.base import CacheStats, MatchResult, ReqKV, TokenSeq, key_bytes
+from radix.disk_tier import DiskTier
+from radix.errors import KVOutOfMemoryError
+from radix.events import EventSink
+from radix.hierarchical_cache import HierarchicalRadixCache
+from radix.host_pool import HostKVPool
+from radix.kv_storage import KVStorage
+
+
+@dataclass
+class DiskCacheStats(CacheStats):
+    """``CacheStats`` with the disk tier's hits and its report (``DiskTier.report``)."""
+
+    disk_hit_tokens: int = 0
+    disk: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return max(0, self.hit_tokens - self.host_hit_tokens - self.disk_hit_tokens)
+
+
+class DiskTieredRadixCache(HierarchicalRadixCache):
+    """``HierarchicalRadixCache`` with a disk tier under the host pool (see the module docstring)."""
+
+    def __init__(
+        self,
+        allocator: PagedAllocator,
+        req_to_token: ReqToTokenPool,
+        device_kv: KVStorage,
+        host_pool: HostKVPool,
+        disk: DiskTier,
+        write_policy: str = "write_through",
+        eviction_policy: str = "lru",
+        event_sink: EventSink | None = None,
+    ):
+        if disk.block_tokens % allocator.page_size or disk.shape != device_kv.shape:
+            raise ValueError("the disk tier's blocks must be whole pages of the device storage's layout")
+        self.disk = disk
+        super().__init__(allocator, req_to_token, device_kv, host_pool, write_policy, eviction_policy, event_sink)
+
+    # ------------------------------------------------------------------ writes
+    def cache_finished_req(self, state: ReqKV, tokens: TokenSeq) -> None:
+        key = key_bytes(tokens)
+        self._offer(state, key[: max(0, len(key) - 4)])  # not the last token (see the module docstring)
+        super().cache_finished_req(state, key)
+
+    def cache_unfinished_req(self, state: ReqKV, tokens: TokenSeq) -> None:
+        key = key_bytes(tokens)
+        self._offer(state, key)
+        super().cache_unfinished_req(state, key)
+
+    def _offer(self, state: ReqKV, key: bytes) -> None:
+        n = len(key) >> 2
+        bt = self.disk.block_tokens
+        if n >= bt:
+            slots = self.req_to_token.read(state.row, 0, n // bt * bt)
+            self.disk.offer(key, state.namespace, slots, self.device_kv)
+
+    # ------------------------------------------------------------------ reads
+    def load_to_device(
+        self, match: MatchResult, key: TokenSeq | None = None, namespace: Hashable | None = None
+    ) -> MatchResult:
+        """The host tier's load, then the disk blocks that continue the match within ``key`` (see the module
+        docstring). Without room on the device, or without blocks on disk, the match stays as it is."""
+        match = super().load_to_device(match, key, namespace)
+        if key is None or match.host_len:
+            return match
+        key = key_bytes(key)
+        bt = self.disk.block_tokens
+        start = match.length
+        first, last = start // bt, (len(key) >> 2) // bt  # blocks [first, last) lie wholly inside the key
+        if first >= last:
+            return match
+        t0 = time.perf_counter()
+        blocks = self.disk.read(key, namespace, first, last - first)
+        if not blocks:
+            return match
+        end = (first + len(blocks)) * bt
+        anchor = match.last_node
+        self.lock(anchor)  # making room below must not evict the matched prefix
+        try:
+            try:
+                slots = self._alloc_device(end - start)
+            except KVOutOfMemoryError:
+                return match
+            kv = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+            kv = kv[:, :, start - first * bt :]
+            dev = self.device_kv.k_buffer.device
+            idx = slots.to(dev)
+            self.device_kv.k_buffer.index_copy_(1, idx, kv[:, 0].to(dev))
+            self.device_kv.v_buffer.index_copy_(1, idx, kv[:, 1].to(dev))
+            every = torch.cat([match.kv_indices, slots])
+            cached = self.insert(key[: 4 * end], every, namespace)
+            if cached > start:  # the tree had those positions already: ours are duplicates
+                self.allocator.free(every[start:cached])
+        finally:
+            self.unlock(anchor)
+        fresh = self.match_prefix(key[: 4 * end], namespace, record=False)
+        self.disk.record_load(fresh.length - start, time.perf_counter() - t0)
+        return fresh
+
+    # ------------------------------------------------------------------ flush, stats
+    def reset(self) -> None:
+        """Flush the device and host tiers; queued disk writes land first, and the disk keeps its blocks."""
+        self.disk.flush()
+        super().reset()
+
+    def close(self) -> None:
+        """Write what is queued and stop the disk writer (the cache stays usable without disk writes)."""
+        self.disk.close()
+
+    def stats(self) -> DiskCacheStats:
+        base = super().stats()
+        return DiskCacheStats(**asdict(base), disk_hit_tokens=self.disk.counters.hit_tokens, disk=self.disk.report())
