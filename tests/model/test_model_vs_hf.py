@@ -164,7 +164,7 @@ def test_torch_native_on_cuda(hf_checkpoints, arch: str) -> None:
 
 def test_bool_prefix_mask_path(hf_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """Huge causal-with-prefix masks switch to bool; same numbers."""
-    import runtime.attention.torch_native as torch_native
+    import runtime.attention.torch_native_plan as torch_native_plan
 
-    monkeypatch.setattr(torch_native, "_FLOAT_MASK_LIMIT", 0)
+    monkeypatch.setattr(torch_native_plan, "_FLOAT_MASK_LIMIT", 0)
     test_chunked_prefill_then_mixed_decode_matches_hf(hf_checkpoints, "qwen3", 16)
