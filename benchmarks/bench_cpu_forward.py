@@ -10,6 +10,12 @@ For float32, bfloat16 and int8 (weight-only) weights, on the default model:
 Then transformers (fp32, the same weights): one padded batch of 32 decoding over the same contexts
 (ms/step) and a 1,024-token prefill.
 
+Threads: everything that runs torch before the Engines (the bandwidth probe, the Engine's model load) runs on
+a short-lived thread. libgomp gives every thread that starts a parallel region its own team, and once more
+of its threads exist than cores it stops spinning between regions (each wakes by futex): a team left on the
+main thread next to the scheduler thread's made every decode step ~2x slower. A thread's team ends with it,
+so the scheduler thread's team is the only one, as in the server's scheduler process.
+
     python benchmarks/bench_cpu_forward.py [--context 1000] [--formats float32 bfloat16 int8] [--json out.json]
 """
 
@@ -18,9 +24,10 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from engine_steps import cpu_simd, decode_step_ms, emit
@@ -29,6 +36,8 @@ from runtime.bench.floor import floor_ms, stream_bandwidth, weight_bytes
 from runtime.config import cpu_has_native_bf16
 from runtime.engine import Engine
 from runtime.models.loader import resolve_model_path
+
+T = TypeVar("T")
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
            "int8": {"dtype": "float32", "quantization": "int8"}}
@@ -68,8 +77,27 @@ class Timers:
             u()
 
 
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread that exits afterwards, taking its OpenMP team with it (module docstring)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # re-raised on the caller's thread
+            box.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float) -> dict[str, Any]:
-    eng = Engine(model="default", max_total_tokens=34 * (context + 64) + 2048, log_level="warning", **FORMATS[fmt])
+    eng = on_own_thread(lambda: Engine(model="default", max_total_tokens=34 * (context + 64) + 2048,
+                                       log_level="warning", **FORMATS[fmt]))
     model = eng.scheduler.runner.model
     rng = random.Random(0)
     out: dict[str, Any] = {"weight_mb": weight_bytes(model) / 1e6, "floor_ms": floor_ms(model, bandwidth)}
@@ -138,7 +166,7 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
-    bandwidth = stream_bandwidth()
+    bandwidth = on_own_thread(stream_bandwidth)
     result: dict[str, Any] = {"cpu": cpu_simd(), "native_bf16": cpu_has_native_bf16(),
                               "threads": torch.get_num_threads(), "context": a.context,
                               "stream_gb_s": bandwidth / 1e9, "formats": {}}

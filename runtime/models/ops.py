@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.models.layers import apply_rotary, rms_norm
-from runtime.models.packed import PackedWeight, pack_weight
+from runtime.models.packed import PackedWeight, pack_weight, unpack_weight
 
 logger = logging.getLogger(__name__)
 
@@ -110,28 +110,45 @@ class InvariantOps:
 
 # Rows up to which the packed kernel beats the GEMM libraries, per format (all linear layers of SmolLM2-135M in
 # sequence, 2 threads, AVX-512 + AMX host; docs/benchmarks.md): fp32 vs MKL even at 16 rows; bf16 vs oneDNN,
-# whose AMX kernels win from 4 rows; int8 vs MKL over a dequantised copy. Above it the library runs, over
-# the unpacked weight (int8: over a dequantised copy made per call).
+# whose AMX kernels win from 4 rows; int8 (without VNNI) vs MKL over a dequantised copy. Above it the library
+# runs, over the unpacked weight (int8: over a dequantised copy made per call). int8 with VNNI has no limit:
+# linear_int8 beat the dequantised GEMM at every size measured (1..512 rows; dequantising alone costs more).
 SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
+# Activation block of linear_int8: one int8 scale per 32 k values of a row (a multiple of 16; 0 = one per row).
+# `radixserve bench quality` on SmolLM2-135M (perplexity vs fp32 / greedy tokens agreeing): one scale per row
+# +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
+# (weight-only int8: +0.6% / 61%). Blocks of 32 cost ~1% more time than whole rows at 1 row, ~8% at 8.
+INT8_ACT_BLOCK = 32
+INT8_KERNELS = ("vnni", "float")
 
 
 class PackedCpuOps(TorchOps):
-    """Linear layers of decode-sized batches through ``linear_packed`` (``kernels/fastcpu.cpp``) over weights
-    repacked once at load time (``packed.py``) in ``weight_format``: float32, bfloat16 or int8.
+    """Linear layers of decode-sized batches through the fastcpu kernels over weights repacked once at load
+    time (``packed.py``) in ``weight_format``: float32, bfloat16 or int8.
 
-    The packed copies are keyed by the identity of the model's weight parameters, so the model code stays
-    the same for every format. With int8 the model's own copy of each packed weight is released after
-    packing (only the int8 panels stay in memory) and larger batches run over a dequantised copy.
+    int8 runs ``linear_int8`` (activations quantised per row block, integer dot products) where the kernels
+    were built for AVX512-VNNI, at every batch size; elsewhere (or with ``int8_kernel="float"``) weight-only
+    int8 through ``linear_packed``, which converts each weight to fp32. The packed copies are keyed by the
+    identity of the model's weight parameters, so the model code stays the same for every format. With int8
+    the model's own copy of each packed weight is released after packing (only the int8 panels stay in memory).
     """
 
     name = "packed"
 
-    def __init__(self, weight_format: str) -> None:
+    def __init__(self, weight_format: str, int8_kernel: str | None = None,
+                 act_block: int = INT8_ACT_BLOCK) -> None:
         from runtime.kernels.build import load_kernels
 
         self.k: Any = load_kernels("fastcpu")
         self.weight_format = weight_format
         self.small_m = SMALL_M[weight_format]
+        if int8_kernel is None:
+            int8_kernel = "vnni" if self.k.int8_vnni() else "float"
+        if int8_kernel not in INT8_KERNELS or (int8_kernel == "vnni" and not self.k.int8_vnni()):
+            raise ValueError(f"int8 kernel {int8_kernel!r} is not available here (choose from {INT8_KERNELS}; "
+                             "vnni needs a CPU with AVX512-VNNI)")
+        self.vnni = weight_format == "int8" and int8_kernel == "vnni"
+        self.act_block = act_block
         self.packed: dict[int, PackedWeight] = {}
 
     def prepare(self, model: Any) -> None:
@@ -143,8 +160,9 @@ class PackedCpuOps(TorchOps):
 
     def pack(self, weights: list[torch.Tensor], release: bool) -> None:
         """Pack each ``[N, K]`` weight; ``release`` frees the model's own copy (the panels stand for it)."""
+        layout = "vnni" if self.vnni else "kmajor"
         for w in weights:
-            self.packed[id(w)] = pack_weight(w.detach(), self.weight_format)
+            self.packed[id(w)] = pack_weight(w.detach(), self.weight_format, layout)
             if release:
                 w.data = w.data.new_empty(0)
 
@@ -154,17 +172,21 @@ class PackedCpuOps(TorchOps):
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor | None) -> torch.Tensor | None:
-        """The packed product for small batches (None: not this kernel's case)."""
+        """The packed product (None: not this kernel's case: no packed copy, or a large float batch)."""
         pw = self.packed.get(id(weight))
-        small = x.shape[0] <= self.small_m
-        if pw is None or (not small and self.weight_format != "int8"):
+        if pw is None:
             return None
         xf = x.float()
         b = bias.float() if bias is not None else None
-        if not small:  # int8, large batch: a GEMM over the dequantised weight
-            y = F.linear(xf, dequantize(pw), b)
-            return y if out is None else out.add_(y)
-        return self.k.linear_packed(xf, pw.data, pw.out_features, pw.scale, b, out)
+        if pw.layout == "vnni":
+            assert pw.scale is not None
+            return self.k.linear_int8(xf, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
+        if x.shape[0] <= self.small_m:
+            return self.k.linear_packed(xf, pw.data, pw.out_features, pw.scale, b, out)
+        if self.weight_format != "int8":
+            return None
+        y = F.linear(xf, dequantize(pw), b)  # int8 without VNNI, large batch: a GEMM over the dequantised weight
+        return y if out is None else out.add_(y)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self._run(x, weight, bias, None)
@@ -202,9 +224,7 @@ class PackedCpuOps(TorchOps):
 
 def dequantize(pw: PackedWeight) -> torch.Tensor:
     """The ``[N, K]`` fp32 weight a packed one stands for."""
-    panels, k, width = pw.data.shape
-    w = pw.data.float().transpose(1, 2).reshape(panels * width, k)[: pw.out_features]
-    return w * pw.scale[:, None] if pw.scale is not None else w
+    return unpack_weight(pw)
 
 
 def cpu_weight_format(args: Any, device: torch.device) -> str | None:

@@ -1,9 +1,14 @@
-"""Weights repacked for the fast CPU linear kernel (``runtime/kernels/fastcpu.cpp``: ``linear_packed``).
+"""Weights repacked for the fast CPU linear kernels (``runtime/kernels/``: ``linear_packed``, ``linear_int8``).
 
-A weight ``W [N, K]`` becomes panels of 64 output columns stored k-major, ``[ceil(N/64), K, 64]`` (rows past
-N are zero), so the kernel streams each panel once and keeps one output column per vector lane. Formats:
-float32 and bfloat16 (a cast), and int8: symmetric weight-only quantization with one fp32 scale per output
-row (``scale = max|W[n]| / 127``, ``q = round(W / scale)``), a quarter of fp32's bytes.
+Layout ``"kmajor"`` (``linear_packed``): a weight ``W [N, K]`` becomes panels of 64 output columns stored
+k-major, ``[ceil(N/64), K, 64]`` (rows past N are zero), so the kernel streams each panel once and keeps one
+output column per vector lane. Formats: float32 and bfloat16 (a cast), and int8: symmetric weight-only
+quantization with one fp32 scale per output row (``scale = max|W[n]| / 127``, ``q = round(W / scale)``).
+
+Layout ``"vnni"`` (``linear_int8``, int8 on CPUs with AVX512-VNNI): the same int8 values and scales, stored
+as uint8 ``q + 128`` in ``[ceil(N/64), ceil(K/4), 256]``: per panel and group of 4 consecutive k, the 64
+columns' 4 values side by side, so one 64-byte vector is 16 columns x 4 k, the operand of ``vpdpbusd``
+(unsigned x signed bytes; the +128 is undone per activation row in the kernel). Padding holds 128 (weight 0).
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ import torch
 
 PANEL = 64
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
+LAYOUTS = ("kmajor", "vnni")
 
 
 @dataclass
 class PackedWeight:
-    data: torch.Tensor  # [ceil(N/64), K, 64] float32 | bfloat16 | int8
+    # kmajor: [ceil(N/64), K, 64] float32 | bfloat16 | int8; vnni: [ceil(N/64), ceil(K/4), 256] uint8
+    data: torch.Tensor
     scale: torch.Tensor | None  # [N] float32 for int8
     out_features: int
+    in_features: int
+    layout: str = "kmajor"
 
     @property
     def nbytes(self) -> int:
@@ -35,10 +44,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def pack_weight(weight: torch.Tensor, fmt: str) -> PackedWeight:
-    """Repack ``weight [N, K]`` in format ``fmt`` (one of :data:`WEIGHT_FORMATS`)."""
+def pack_weight(weight: torch.Tensor, fmt: str, layout: str = "kmajor") -> PackedWeight:
+    """Repack ``weight [N, K]`` in format ``fmt`` (one of :data:`WEIGHT_FORMATS`) and ``layout`` (``"vnni"``:
+    int8 only)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if layout not in LAYOUTS or (layout == "vnni" and fmt != "int8"):
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS} for {fmt} (vnni is int8 only)")
     n, k = weight.shape
     scale = None
     if fmt == "int8":
@@ -46,7 +58,26 @@ def pack_weight(weight: torch.Tensor, fmt: str) -> PackedWeight:
     else:
         values = weight.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[fmt])
     padded = -(-n // PANEL) * PANEL
+    if layout == "vnni":
+        groups = -(-k // 4)
+        offset = torch.full((padded, groups * 4), 128, dtype=torch.uint8)
+        offset[:n, :k] = (values.to(torch.int16) + 128).to(torch.uint8)
+        panels = padded // PANEL
+        data = offset.view(panels, PANEL, groups, 4).transpose(1, 2).reshape(panels, groups, 4 * PANEL)
+        return PackedWeight(data.contiguous(), scale, n, k, layout)
     if padded != n:
         values = torch.cat([values, values.new_zeros(padded - n, k)])
     data = values.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
-    return PackedWeight(data, scale, n)
+    return PackedWeight(data, scale, n, k, layout)
+
+
+def unpack_weight(pw: PackedWeight) -> torch.Tensor:
+    """The ``[N, K]`` fp32 weight a packed one stands for (int8: dequantised)."""
+    if pw.layout == "vnni":
+        panels, groups, width = pw.data.shape
+        q = pw.data.view(panels, groups, PANEL, 4).transpose(1, 2).reshape(panels * PANEL, groups * 4)
+        w = q[: pw.out_features, : pw.in_features].float() - 128.0
+    else:
+        panels, k, width = pw.data.shape
+        w = pw.data.float().transpose(1, 2).reshape(panels * width, k)[: pw.out_features]
+    return w * pw.scale[:, None] if pw.scale is not None else w

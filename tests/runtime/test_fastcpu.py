@@ -14,7 +14,7 @@ from runtime.attention.torch_native import TorchNativeBackend
 from runtime.config import ServerArgs, cpu_has_native_bf16
 from runtime.kernels.build import load_kernels
 from runtime.models.ops import PackedCpuOps, dequantize
-from runtime.models.packed import pack_weight, quantize_int8
+from runtime.models.packed import pack_weight, quantize_int8, unpack_weight
 
 
 @pytest.fixture(scope="module")
@@ -86,22 +86,107 @@ class TinyModel:
         return self.embed_tokens
 
 
-def test_int8_ops_release_the_float_weights_but_keep_the_tied_embedding():
+def quantised_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What linear_int8 multiplies: each row in blocks of ``block`` (0: the row, padded to 16) rounded to
+    ``round(x * 127 / max|x|)`` (fp32, half to even), and each value's block scale ``max|x| / 127``."""
+    m, k = x.shape
+    width = block or -(-k // 16) * 16
+    nb = -(-k // width)
+    blocks = torch.cat([x, x.new_zeros(m, nb * width - k)], 1).view(m, nb, width)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = (blocks * inv).round()
+    step = (amax / 127.0).expand_as(blocks)
+    return q.reshape(m, -1)[:, :k], step.reshape(m, -1)[:, :k]
+
+
+def int8_kernels() -> list[str]:
+    """The int8 kernels this host runs: the VNNI one only where the kernels were built for it."""
+    return ["vnni", "float"] if load_kernels("fastcpu").int8_vnni() else ["float"]
+
+
+@pytest.mark.parametrize("int8_kernel", ["vnni", "float"])
+def test_int8_ops_release_the_float_weights_but_keep_the_tied_embedding(int8_kernel):
+    if int8_kernel not in int8_kernels():
+        pytest.skip("the kernels were built for a CPU without AVX512-VNNI")
     model = TinyModel()
     dense, embed = model.layer.detach().clone(), model.embed_tokens.detach().clone()
-    ops = PackedCpuOps("int8")
+    ops = PackedCpuOps("int8", int8_kernel=int8_kernel)
     ops.prepare(model)
+    assert ops.packed[id(model.layer)].layout == ("vnni" if int8_kernel == "vnni" else "kmajor")
     assert model.layer.numel() == 0, "the int8 panels replace the float weight"
     assert torch.equal(model.embed_tokens, embed), "the embedding table is still read by lookups"
     # what the int8 weight stands for: within half a quantisation step of the float weight
     int8_w, int8_embed = dequantize(ops.packed[id(model.layer)]), dequantize(ops.packed[id(model.embed_tokens)])
     assert (int8_w - dense).abs().max() <= dense.abs().amax() / 254 + 1e-6
-    x_small, x_large = torch.randn(2, 32), torch.randn(40, 32)  # the packed kernel, and a dequantised GEMM
+    # the float kernel multiplies the activations as they are; the VNNI one their int8 rounding per block
+    def seen(x: torch.Tensor) -> torch.Tensor:
+        q, step = quantised_activations(x, ops.act_block)
+        return x if int8_kernel == "float" else q * step
+
+    x_small, x_large = torch.randn(2, 32), torch.randn(40, 32)  # the packed kernel; float: a dequantised GEMM
     for x in (x_small, x_large):
-        torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(x, int8_w), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(seen(x), int8_w), rtol=1e-4, atol=1e-4)
     residual = torch.ones(2, 100)
     ops.add_linear_(residual, x_small, model.embed_tokens, None)
-    torch.testing.assert_close(residual, 1 + F.linear(x_small, int8_embed), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(residual, 1 + F.linear(seen(x_small), int8_embed), rtol=1e-4, atol=1e-4)
+
+
+def test_unavailable_int8_kernel_is_refused():
+    with pytest.raises(ValueError, match="int8 kernel"):
+        PackedCpuOps("int8", int8_kernel="amx")
+
+
+requires_vnni = pytest.mark.skipif(not load_kernels("fastcpu").int8_vnni(),
+                                   reason="linear_int8 is built only for CPUs with AVX512-VNNI")
+
+
+@requires_vnni
+@pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (5, 3), (1536, 130)])
+@pytest.mark.parametrize("block", [0, 16, 64])
+def test_vnni_linear_equals_the_quantised_product(k, kdim, n, block):
+    """Every row count 1..33 (row tiles of 1..6, several tiles), odd K (k groups of 4 padded) and N
+    (a partial panel), with and without bias and residual: the integer product is exact, so the result
+    equals the float64 product of the quantised operands up to fp32 rounding of the block sums."""
+    g = torch.Generator().manual_seed(kdim * n + block)
+    w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
+    pw = pack_weight(w, "int8", "vnni")
+    assert pw.data.shape == (-(-n // 64), -(-kdim // 4), 256) and pw.data.dtype == torch.uint8
+    w_int8 = unpack_weight(pw)
+    assert torch.equal(w_int8, unpack_weight(pack_weight(w, "int8"))), "the same int8 values as the k-major layout"
+    for m in range(1, 34):
+        x = torch.randn(m, kdim, generator=g) * torch.linspace(0.05, 4.0, kdim)  # blocks of different ranges
+        q, step = quantised_activations(x, block)
+        ref = (q * step).double() @ w_int8.double().T
+        scale = (q.abs() * step).double() @ w_int8.double().abs().T  # the size of the terms summed
+        got = k.linear_int8(x, pw.data, n, pw.scale, b, None, block)
+        assert ((got.double() - b.double() - ref).abs() <= 1e-5 * scale + 1e-5).all(), m
+        res = torch.randn(m, n, generator=g)
+        expected = res.double() + ref
+        k.linear_int8(x, pw.data, n, pw.scale, None, res, block)
+        assert ((res.double() - expected).abs() <= 1e-5 * scale + 1e-5).all(), m
+
+
+@requires_vnni
+def test_vnni_activation_error_stays_within_half_a_step_of_its_block(k):
+    """Against the unquantised activations: each value moves at most half its block's step, so an outlier
+    in one block of 64 leaves the other blocks' precision alone (a per-row scale would not)."""
+    g = torch.Generator().manual_seed(11)
+    kdim, n = 1024, 70
+    w = torch.randn(n, kdim, generator=g)
+    pw = pack_weight(w, "int8", "vnni")
+    w_int8 = unpack_weight(pw).double()
+    x = torch.randn(4, kdim, generator=g)
+    x[:, 3] = 200.0  # an outlier in the first block only
+    got = k.linear_int8(x, pw.data, n, pw.scale, None, None, 64).double()
+    exact = x.double() @ w_int8.T
+    _q, step = quantised_activations(x, 64)
+    bound = (step.double() / 2) @ w_int8.abs().T
+    assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-4).all()
+    # one scale per row (block 0) rounds all 16 blocks to steps of 200/127 (blocks of 64: one block), so its
+    # squared error is ~16x larger
+    row = k.linear_int8(x, pw.data, n, pw.scale, None, None, 0).double()
+    assert (row - exact).pow(2).mean() > 8 * (got - exact).pow(2).mean()
 
 
 def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1):

@@ -1,0 +1,222 @@
+// linear_int8: y = x @ W.T for int8 weights (one fp32 scale per output row) with the activations quantised to
+// int8 on the fly, multiplied with integer dot products (AVX512-VNNI vpdpbusd: 64 multiply-adds of 8-bit
+// values per instruction into 16 int32 lanes) instead of converting every weight to float.
+//
+// Why: converting int8 weights to fp32 costs two instructions per 16 weights besides the FMA, which caps a core
+// at ~11 bytes of weights per cycle even from L2: a batch-1 decode step was bound by that arithmetic, not by
+// the memory. With vpdpbusd a 64-byte weight vector costs one instruction per activation row.
+//
+// Numerics. Each activation row is quantised per block of `block` k values (symmetric: scale = max|x| / 127,
+// q = round-half-even(x * 127 / max|x|)), so one outlier only coarsens its own block. vpdpbusd multiplies
+// unsigned by signed bytes: the weights are stored offset by +128 (uint8, packed.py) and the activations are
+// the signed side, so sum_k (w_k + 128) q_k = sum_k w_k q_k + 128 sum_k q_k, and the correction is one int32
+// per (row, block), computed with the quantisation. Per block the int32 sum is exact (no saturation: |sum| <=
+// K * 255 * 127 fits int32 for K < 66,000); blocks are combined in fp32 with their scales, then one multiply
+// by the weight row's scale.
+//
+// Layout (packed.py, "vnni"): uint8 [ceil(N/64), ceil(K/4), 256]: for each panel of 64 output columns and each
+// group of 4 consecutive k, 64 columns x 4 k values (column-major within the group), i.e. one 512-bit vector
+// holds 16 columns x 4 k: exactly vpdpbusd's operand. Padding (k past K, columns past N) holds 128 (weight 0).
+//
+// Built only where the compiler targets AVX512-VNNI (-march=native on such a host); elsewhere int8 weights
+// use linear_packed's convert-to-float path (int8_vnni() tells which).
+
+#include "fastcpu_vec.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define FASTCPU_VNNI 1
+#endif
+
+namespace {
+
+#ifdef FASTCPU_VNNI
+
+constexpr int64_t kPanel = 64;
+constexpr int64_t kGroupBytes = kPanel * 4;  // one k-group of a panel
+constexpr int64_t kPrefetchGroups = 8;  // how far ahead (in k-groups, 256 bytes each) the weights are fetched
+
+// The activations quantised per row and block: q [M, ld] int8 (zero past K), scale [M, nb], and the int32
+// correction 128 * sum(q) of each (row, block).
+struct QuantRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> corr;
+  int64_t ld = 0, nb = 0, block = 0;
+};
+
+QuantRows quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
+  QuantRows out;
+  out.block = block;
+  out.nb = (k + block - 1) / block;
+  out.ld = out.nb * block;
+  out.q.assign(m * out.ld, 0);
+  out.scale.assign(m * out.nb, 0.f);
+  out.corr.assign(m * out.nb, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < out.nb; ++b) {
+      const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = k0; i < k1; i += 16) {
+        const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, x + r * ldx + i)));
+      }
+      const float mx = _mm512_reduce_max_ps(amax);
+      if (!(mx > 0.f)) continue;  // an all-zero block stays zero (scale 0)
+      const __m512 inv = _mm512_set1_ps(127.0f / mx);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* qr = out.q.data() + r * out.ld;
+      for (int64_t i = k0; i < k1; i += 16) {
+        const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
+        // cvtps rounds to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, so the
+        // saturating narrow only guards against it.
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + r * ldx + i), inv));
+        sum = _mm512_add_epi32(sum, qi);
+        _mm_mask_storeu_epi8(qr + i, mask, _mm512_cvtsepi32_epi8(qi));
+      }
+      out.scale[r * out.nb + b] = mx / 127.0f;
+      out.corr[r * out.nb + b] = 128 * _mm512_reduce_add_epi32(sum);
+    }
+  }
+  return out;
+}
+
+// MR rows x NV vectors (16 columns each) of one panel, from column c0 of the panel. Integer accumulators per
+// block, folded into fp32 accumulators at each block's end; MR and NV are template constants so that both
+// stay in registers (2 * MR * NV + NV + 1 of the 32 zmm registers).
+template <int MR, int NV>
+inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, int64_t c0, float* y,
+                 int64_t ldy, int64_t cn, const float* scale, const float* bias, bool accumulate) {
+  __m512 facc[MR][NV];
+  for (int a = 0; a < MR; ++a)
+    for (int v = 0; v < NV; ++v) facc[a][v] = _mm512_setzero_ps();
+  const int64_t block_groups = xq.block / 4;
+  const int8_t* xrow[MR];
+  for (int a = 0; a < MR; ++a) xrow[a] = xq.q.data() + (r0 + a) * xq.ld;
+  for (int64_t b = 0; b < xq.nb; ++b) {
+    __m512i iacc[MR][NV];
+    for (int a = 0; a < MR; ++a)
+      for (int v = 0; v < NV; ++v) iacc[a][v] = _mm512_setzero_si512();
+    const int64_t g1 = std::min(groups, (b + 1) * block_groups);
+    for (int64_t g = b * block_groups; g < g1; ++g) {
+      const uint8_t* wg = panel + g * kGroupBytes + c0 * 4;
+      if (c0 == 0) {  // the first pass over the panel brings it in: ask for all of it a few groups ahead
+        const char* ahead = reinterpret_cast<const char*>(panel + (g + kPrefetchGroups) * kGroupBytes);
+        for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+      __m512i w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wg + 64 * v);
+      for (int a = 0; a < MR; ++a) {
+        int32_t four;
+        std::memcpy(&four, xrow[a] + 4 * g, 4);
+        const __m512i xb = _mm512_set1_epi32(four);
+        for (int v = 0; v < NV; ++v) iacc[a][v] = _mm512_dpbusd_epi32(iacc[a][v], w[v], xb);
+      }
+    }
+    for (int a = 0; a < MR; ++a) {
+      const __m512i corr = _mm512_set1_epi32(xq.corr[(r0 + a) * xq.nb + b]);
+      const __m512 s = _mm512_set1_ps(xq.scale[(r0 + a) * xq.nb + b]);
+      for (int v = 0; v < NV; ++v)
+        facc[a][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[a][v], corr)), s, facc[a][v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = c0 + 16 * v, left = cn - col;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + col);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int a = 0; a < MR; ++a) {
+      float* yr = y + a * ldy + col;
+      __m512 val = _mm512_fmadd_ps(facc[a][v], sc, bi);
+      if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask, yr));
+      _mm512_mask_storeu_ps(yr, mask, val);
+    }
+  }
+}
+
+// Up to 3 rows take the whole panel width in one pass (each weight vector loaded once for all rows); 4..6
+// rows take half of it per pass.
+template <int MR>
+inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, float* y,
+                          int64_t ldy, int64_t cn, const float* scale, const float* bias, bool accumulate) {
+  if constexpr (MR <= 3) {
+    tile<MR, 4>(xq, r0, groups, panel, 0, y, ldy, cn, scale, bias, accumulate);
+  } else {
+    tile<MR, 2>(xq, r0, groups, panel, 0, y, ldy, cn, scale, bias, accumulate);
+    if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, y, ldy, cn, scale, bias, accumulate);
+  }
+}
+
+void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
+                      const float* bias, float* y, int64_t ldy, int64_t n, bool accumulate) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = packed + p * groups * kGroupBytes;
+      const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
+      const float* sp = scale + c0;
+      const float* bp = bias ? bias + c0 : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += 6) {
+        float* yr = y + r0 * ldy + c0;
+        switch (std::min<int64_t>(6, m - r0)) {
+          case 6: rows_of_panel<6>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 5: rows_of_panel<5>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 4: rows_of_panel<4>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 3: rows_of_panel<3>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 2: rows_of_panel<2>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          default: rows_of_panel<1>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+        }
+      }
+    }
+  });
+}
+
+#endif  // FASTCPU_VNNI
+
+}  // namespace
+
+bool int8_vnni() {
+#ifdef FASTCPU_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = x @ W.T * scale (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/4), 256] uint8), x fp32 [M, K]
+// quantised per row in blocks of `block` k values (a multiple of 16; 0: one block per row).
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block) {
+#ifdef FASTCPU_VNNI
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "x must be float32 [M, K] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), groups = (k + 3) / 4;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kByte &&
+              packed.size(1) == groups && packed.size(2) == kGroupBytes && packed.size(0) * kPanel >= n,
+              "packed weight must be uint8 [ceil(N/64), ceil(K/4), 256]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() >= n, "bad scale");
+  TORCH_CHECK(block >= 0 && block % 16 == 0, "block must be a multiple of 16 (0: whole rows)");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  torch::Tensor y;
+  if (out.has_value()) {
+    y = *out;
+    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                y.stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
+  } else {
+    y = torch::empty({m, n}, x.options());
+  }
+  if (m == 0) return y;
+  const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
+  const QuantRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, blk);
+  linear_int8_impl(xq, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.data_ptr<float>(),
+                   y.stride(0), n, out.has_value());
+  return y;
+#else
+  TORCH_CHECK(false, "linear_int8 needs AVX512-VNNI (this build targets a CPU without it)");
+  return x;
+#endif
+}
