@@ -230,18 +230,9 @@ class HierarchicalRadixCache(RadixCache):
             raise KVCacheError(f"lock of node {node.node_id}, which is on the host only: load_back it first")
         super().lock(node)
 
-    def unlock(self, node: TreeNode) -> None:
-        # As RadixCache.unlock, but a node whose children are all host-only is a device leaf too.
-        while isinstance(node, TieredNode) and node.parent is not None:
-            if node.lock_ref <= 0:
-                raise KVCacheError(f"unlock of node {node.node_id} that holds no lock")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable += node.num_tokens
-                self._protected -= node.num_tokens
-                if node.device_children == 0:
-                    self._index.add(node)
-            node = node.parent
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        # a node whose children are all host-only is a device leaf too
+        return isinstance(node, TieredNode) and node.device_children == 0
 
     # ------------------------------------------------------------------ tier moves
     def evict(self, n_tokens: int) -> torch.Tensor:

@@ -260,9 +260,13 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._evictable += node.num_tokens
                 self._protected -= node.num_tokens
-                if not node.children:
+                if self._is_device_leaf(node):
                     self._index.add(node)
             node = node.parent
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        """Whether eviction may take ``node`` once unlocked: here, a leaf (a tiered tree counts device children)."""
+        return not node.children
 
     # ------------------------------------------------------------------ eviction
     def evict(self, n_tokens: int) -> torch.Tensor:
