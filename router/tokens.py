@@ -44,7 +44,8 @@ class RequestTokenizer:
         from runtime.http.protocol import ChatCompletionRequest
 
         req = ChatCompletionRequest.model_validate(view.body)
-        ids, _setup = render_chat_request(self.tokenizer, self.chat_template, self.tool_format, req, completion)
+        ids, _setup = render_chat_request(self.tokenizer, self.chat_template, self.tool_format, req,
+                                           completion=completion)
         return ids
 
     def prompt_ids(self, view: RequestView) -> list[int] | None:

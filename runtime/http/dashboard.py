@@ -25,8 +25,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.core.messages import CacheTreeQuery
+from runtime.http.common import tm_of
 from runtime.http.dashboard_files import EVENT_STREAM_HEADERS, FRESH, static_file
 from runtime.http.dashboard_stats import StatsHub
+from runtime.http.delivery import json_response
 from runtime.http.errors import APIError
 from runtime.server.tokenizer_manager import TokenizerManager
 
@@ -60,8 +62,9 @@ def query_number(request: Request, name: str, default: N, lo: N, hi: N) -> N:
     return value
 
 
-def tm_of(request: Request) -> TokenizerManager:
-    tm: TokenizerManager = request.app.state.tm
+def live_tm(request: Request) -> TokenizerManager:
+    """The tokenizer manager of a server that can still answer (a dead one: 503)."""
+    tm = tm_of(request)
     if tm.dead:
         raise APIError(503, f"the server cannot serve: {tm.dead}")
     return tm
@@ -73,10 +76,6 @@ def hub_of(request: Request) -> StatsHub:
     if hub is None:
         hub = state.dashboard_hub = StatsHub(state.tm, state.metrics)
     return hub
-
-
-def json_response(obj: Any) -> Response:
-    return Response(orjson.dumps(obj), media_type="application/json")
 
 
 class PreviewTexts:
@@ -124,7 +123,7 @@ TREE_PARAMS = {"parameters": [
 async def cache_tree(request: Request) -> Response:
     max_nodes = query_number(request, "max_nodes", 500, 2, MAX_NODES)
     min_tokens = query_number(request, "min_tokens", 1, 0, 2**31 - 1)
-    tm = tm_of(request)
+    tm = live_tm(request)
     reply = await tm.control(CacheTreeQuery(max_nodes, min_tokens))
     if not reply.ok:
         raise APIError(400, reply.data.get("message", "the cache tree is not available"))
@@ -133,7 +132,7 @@ async def cache_tree(request: Request) -> Response:
 
 @router.get("/dashboard/stats", summary="The dashboard's latest live sample (KV pool, hit rate, rates, latency)")
 async def dashboard_stats(request: Request) -> Response:
-    tm_of(request)
+    live_tm(request)
     try:
         sample = await hub_of(request).sample()
     except RuntimeError as exc:
@@ -144,7 +143,7 @@ async def dashboard_stats(request: Request) -> Response:
 @router.get("/dashboard/stream", include_in_schema=False)  # endless SSE: documented in docs/ARCHITECTURE.md
 async def dashboard_stream(request: Request) -> Response:
     interval = query_number(request, "interval", 1.0, 0.25, 60.0)
-    tm_of(request)
+    live_tm(request)
     hub = hub_of(request)
 
     async def events() -> AsyncIterator[bytes]:

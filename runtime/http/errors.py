@@ -10,9 +10,10 @@ turns a cause into a status.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -25,6 +26,7 @@ from starlette.routing import BaseRoute, Match
 
 from runtime.core.errors import IntakeError
 from runtime.core.messages import AbortCause, FinishReason
+from runtime.request.state import RequestState
 from runtime.server.tokenizer_manager import QueueFull, ServerUnavailable
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,24 @@ def api_error(exc: IntakeError, names: Mapping[str, str] | None = None) -> APIEr
     -> the API's field; fields not in it keep the runtime's name)."""
     name = (names or {}).get(exc.field or "", exc.field)
     return APIError(400, f"{name}: {exc.detail}" if name else exc.detail, name)
+
+
+def raise_if_rejected(state: RequestState) -> None:
+    """Raise the APIError of a request that ended in an error abort (a timeout, say): the intake has
+    refused every request it can name a field of, so these name none."""
+    status = abort_status(state.finished)
+    if status is not None:
+        raise APIError(status, (state.finished and state.finished.message) or "the request was rejected")
+
+
+@contextlib.contextmanager
+def fields_named(names: Mapping[str, str]) -> Iterator[None]:
+    """Inside: a refusal of the intake (an IntakeError naming a field in the runtime's spelling) becomes
+    the 400 naming the field as the calling API does (``names``)."""
+    try:
+        yield
+    except IntakeError as exc:
+        raise api_error(exc, names) from None
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -11,36 +11,29 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.core.messages import FlushCacheQuery, ServerInfoQuery
 from runtime.core.sampling_params import SamplingParams
-from runtime.http.errors import APIError, abort_status, check_types, error_response, parse_json
-from runtime.http.native_protocol import GenerateRequest
-from runtime.http.requests import (
+from runtime.http.common import tm_of
+from runtime.http.delivery import (
     DONE,
-    ClientDisconnected,
     abort_unfinished,
+    client_closed,
+    json_response,
     merged_updates,
     sse,
     submit_all,
-    wait_all,
+    wait,
 )
+from runtime.http.errors import APIError, abort_status, check_types, error_response, parse_json
+from runtime.http.native_protocol import GenerateRequest
 from runtime.request.intake import SingleRequest, from_native, reject_unsupported
 from runtime.request.state import RequestState
 from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 router = APIRouter()
-
-
-def tm_of(request: Request) -> TokenizerManager:
-    return request.app.state.tm
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 @router.post("/generate")
@@ -59,14 +52,9 @@ async def generate(request: Request) -> Response:
     if req.stream:
         return StreamingResponse(_stream(tm, handles, call.is_batch, token_text, prompt_ids),
                                  media_type="text/event-stream")
-    try:
-        states = await wait_all(tm, request, handles)
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening; the requests were aborted
-    for st in states:
-        status = abort_status(st.finished)
-        if status is not None:
-            return error_response(status, (st.finished and st.finished.message) or "request rejected")
+    states = await wait(request, tm, handles)
+    if states is None:
+        return client_closed()
     results = [native_result(st, h, token_text) for st, h in zip(states, handles)]
     if prompt_ids:
         for result, h in zip(results, handles):

@@ -1,30 +1,21 @@
-"""OpenAI responses: usage, logprobs (chat and legacy shapes), assistant messages, and delivery.
+"""OpenAI's response objects as pure functions of what was generated: ids, usage, finish reasons, logprobs
+(chat and legacy shapes), the envelope every object of one response shares, and chat's assistant message
+and stream deltas from what the output parser split out.
 
-``respond`` waits for a call's choices (one JSON object) or streams them (SSE chunks ending in
-``data: [DONE]``); the endpoints in ``openai_api`` only say how a whole response (``build``) and one
-choice's chunk (``chunk``) look. A client that goes away aborts whatever is unfinished.
+Nothing here waits, sends or decides what happens next: the routes (``completions``, ``chat``) do, and call
+these to say how each object looks.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-
 from runtime.core.sampling_params import SamplingParams
-from runtime.http.errors import APIError, abort_status, error_body
-from runtime.http.requests import DONE, ClientDisconnected, abort_unfinished, merged_updates, sse, wait_all
+from runtime.parsers.output import Parsed
 from runtime.request.state import RequestState
-from runtime.server.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
@@ -146,29 +137,6 @@ def completion_logprobs(entries: list[tuple[float | None, int]], tops: list[Any]
             "text_offset": offsets}
 
 
-# ---------------------------------------------------------------------- the assistant's message
-class AssistantOutput:
-    """How one choice's generated text becomes the assistant message (``message``) or stream deltas
-    (``delta`` for each new piece of text, ``finish_delta`` once at the end), and its finish reason.
-
-    This one passes the text through. A tool-call parser subclasses it: it may hold text back in
-    ``delta``, return ``tool_calls`` from ``message`` / ``finish_delta``, and answer "tool_calls" from
-    ``finish_reason``. One instance per choice; ``openai_api.assistant_output`` picks the class.
-    """
-
-    def message(self, text: str) -> dict[str, Any]:
-        return {"role": "assistant", "content": text, "refusal": None}
-
-    def delta(self, new_text: str) -> dict[str, Any]:
-        return {"content": new_text} if new_text else {}
-
-    def finish_delta(self) -> dict[str, Any]:
-        return {}
-
-    def finish_reason(self, reason: str) -> str:
-        return reason
-
-
 # ---------------------------------------------------------------------- objects
 class Envelope:
     """The fields every object of one response shares (id, created, model)."""
@@ -210,119 +178,33 @@ def pad(items: list[Any], n: int) -> list[Any]:
     return items[:n] + [None] * (n - len(items))
 
 
-# ---------------------------------------------------------------------- delivery
-CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but the log says what happened
-Update = tuple[int, RequestState]
+# ---------------------------------------------------------------------- chat's assistant message
+def chat_message(parsed: Parsed, reasoning_field: bool) -> dict[str, Any]:
+    """The whole assistant message; ``reasoning_field``: the server splits reasoning out (the field is
+    there, null when the model gave none)."""
+    calls = [c.to_openai() for c in parsed.calls]
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else ""),
+                           "refusal": None}
+    if calls:
+        msg["tool_calls"] = calls
+    if reasoning_field:
+        msg["reasoning_content"] = parsed.reasoning or None
+    return msg
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+def chat_delta(parsed: Parsed, first_call: int) -> dict[str, Any]:
+    """A stream delta; its tool calls are numbered from ``first_call`` (the calls the choice sent before)."""
+    delta: dict[str, Any] = {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.calls:
+        delta["tool_calls"] = [c.to_openai(first_call + i) for i, c in enumerate(parsed.calls)]
+    return delta
 
 
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def first_update(request: Request, updates: AsyncIterator[Update]) -> Update:
-    """The first update of a stream, before any byte is sent: a request the runtime rejects at once
-    still gets a proper error status. A client gone meanwhile raises ClientDisconnected."""
-
-    async def step() -> Update:
-        return await updates.__anext__()
-
-    nxt = asyncio.ensure_future(step())
-    watcher = asyncio.ensure_future(_client_gone(request))
-    try:
-        done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt in done:
-            return nxt.result()
-        nxt.cancel()
-        with contextlib.suppress(BaseException):
-            await nxt
-        raise ClientDisconnected()
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(BaseException):
-            await watcher
-
-
-async def close(updates: AsyncIterator[Update]) -> None:
-    """Close an unfinished stream of updates (its pump tasks stop)."""
-    aclose = getattr(updates, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-def raise_if_rejected(state: RequestState) -> None:
-    """Raise the APIError of a request that ended in an error abort (a timeout, say): the intake has
-    refused every request it can name a field of, so these name none."""
-    status = abort_status(state.finished)
-    if status is not None:
-        raise APIError(status, (state.finished and state.finished.message) or "the request was rejected")
-
-
-@dataclass
-class ChoiceStream:
-    """What one choice has sent so far."""
-
-    sent: int = 0  # characters of the cumulative text
-    lp_sent: int = 0  # output logprob entries
-    in_sent: int = 0  # prompt logprob entries (echo)
-    offset: int = 0  # legacy text_offset of the next token
-    started: bool = False
-    done: bool = False
-    post: AssistantOutput = field(default_factory=AssistantOutput)
-
-    def new_text(self, state: RequestState) -> str:
-        new = state.text[self.sent:]
-        self.sent = max(self.sent, len(state.text))
-        return new
-
-
-async def respond(request: Request, tm: TokenizerManager, handles: list[ReqHandle], stream: bool,
-                  build: Callable[[list[RequestState]], Any], chunk: Callable[[int, RequestState], Any],
-                  env: Envelope, obj: str, n: int) -> Response:
-    """Wait for or stream the choices. ``build(states)`` makes the whole response, ``chunk(i, state)``
-    the choice object of one stream chunk (None: nothing new to send)."""
-    if not stream:
-        try:
-            states = await wait_all(tm, request, handles)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        for st in states:
-            raise_if_rejected(st)
-        return json_response(build(states))
-    updates = merged_updates(handles)
-    try:
-        first = await first_update(request, updates)
-        raise_if_rejected(first[1])
-    except ClientDisconnected:
-        await close(updates)
-        await abort_unfinished(tm, handles, "the client disconnected")
-        return Response(status_code=CLIENT_CLOSED)
-    except APIError:
-        await close(updates)
-        await abort_unfinished(tm, handles, "another choice of the request was rejected")
-        raise
-
-    async def frames() -> AsyncIterator[bytes]:
-        try:
-            item: Update | None = first
-            while item is not None:
-                choice = chunk(*item)
-                if choice is not None:
-                    yield sse(env.chunk(obj, [choice]))
-                item = await anext(updates, None)
-            if env.include_usage:
-                yield sse(env.usage_chunk(obj, usage([h.state for h in handles], n)))
-        except APIError as exc:  # after the first chunk only an error event can say it
-            yield sse(error_body(exc.status, exc.message, exc.param))
-        except ServerUnavailable as exc:
-            yield sse(error_body(503, f"the server is unavailable: {exc}"))
-        finally:
-            await close(updates)
-            await abort_unfinished(tm, handles, "the client disconnected")
-        yield DONE
-
-    return StreamingResponse(frames(), media_type="text/event-stream")
+def chat_finish_reason(state: RequestState, calls: int) -> str:
+    """A choice that stopped after calling tools finished for "tool_calls"."""
+    reason = finish_reason(state) or "stop"
+    return "tool_calls" if calls and reason == "stop" else reason

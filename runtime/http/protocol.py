@@ -4,7 +4,7 @@ Validation is strict (JSON types are not coerced: ``"1"`` is not a number, ``tru
 a wrong type is a 400 through the app's RequestValidationError handler. Unknown fields are accepted and
 ignored, as OpenAI clients send many optional ones; SGLang's sampling extensions (``top_k``, ``min_p``,
 ``regex``, ``cache_salt``, ``rid``, ...) are honoured. Ranges are OpenAI's; the remaining checks (token
-ids in the vocabulary, the context length, ``n`` against the server's limits) happen in ``openai_api``.
+ids in the vocabulary, the context length, ``n`` against the server's limits) happen at the intake.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 A Responses request is a chat request in another shape, so it runs through the chat path: parse (the
 request's fields, strictly: an unknown or unsupported field is a 400 naming it) → intake (input items,
 with those of the ``previous_response_id`` chain before them, become chat messages; tools and
-``text.format`` their chat forms; ``openai_api.chat_inputs`` renders the prompt and checks the sampling
-fields) → wait or stream (``requests.submit_all`` / ``wait_all`` / ``merged_updates``, aborting on
-disconnect) → format (``responses_format``: output items from the same tool-call and reasoning parser
-``/v1/chat/completions`` uses, or the stream events built from its deltas).
+``text.format`` their chat forms; ``chat.chat_prompt`` renders the prompt and checks the sampling
+fields) → wait or stream (``delivery``, aborting on disconnect) → format (``responses_format``: output
+items from the same output parser ``/v1/chat/completions`` uses, or the stream events built from its
+deltas). The chat path's refusals name fields as this request does (``RESPONSES_NAMES``).
 
 Chaining: a stored response keeps its whole conversation as normalised input items (``responses_store``);
 a follow-up renders that conversation plus its new items through the chat template, so its prompt begins
@@ -16,29 +16,20 @@ with the previous prompt and answer and the radix cache serves that prefix (``ca
 
 from __future__ import annotations
 
-import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from runtime.core.errors import IntakeError
-from runtime.http.errors import APIError, api_error, check_types, parse_json
-from runtime.http.openai_api import assistant_output, chat_inputs, chat_names, fan_out, served_model, tm_of
-from runtime.http.openai_format import (
-    CLIENT_CLOSED,
-    AssistantOutput,
-    ChoiceStream,
-    close,
-    first_update,
-    json_response,
-    merge_delta,
-    now,
-    raise_if_rejected,
-)
+from runtime.core.messages import RequestOptions
+from runtime.http.chat import chat_prompt
+from runtime.http.common import served_model, tm_of
+from runtime.http.delivery import Updates, client_closed, json_response, open_stream, stream_response, submit_all, wait
+from runtime.http.errors import APIError, check_types, fields_named, parse_json, raise_if_rejected
+from runtime.http.openai_format import chat_delta, chat_message, now
 from runtime.http.protocol import ChatCompletionRequest, nullable_properties
-from runtime.http.requests import ClientDisconnected, abort_unfinished, merged_updates, submit_all, wait_all
 from runtime.http.responses_format import (
     EventStream,
     ResponseHeader,
@@ -58,8 +49,10 @@ from runtime.http.responses_input import (
     stored_items,
 )
 from runtime.http.responses_store import ResponseStore, StoredResponse
+from runtime.parsers.output import OutputParser, Parsed, make_output_parser, parse_whole
+from runtime.request.intake import expand, sampling_params
 from runtime.request.state import RequestState
-from runtime.server.tokenizer_manager import ReqHandle, ServerUnavailable, TokenizerManager
+from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 router = APIRouter()
 
@@ -134,27 +127,12 @@ async def parse(request: Request) -> ResponsesRequest:
 
 
 # ---------------------------------------------------------------------- intake (see responses_input)
-_CHAT_NAMES = [(re.compile(r"\bmessages(\.\d+)?"), "input"), (re.compile(r"\bmax_completion_tokens\b"),
-               "max_output_tokens"), (re.compile(r"\bresponse_format\b"), "text.format"),
-               (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1.")]
-
-
-def _rename(text: str) -> str:
-    for pattern, name in _CHAT_NAMES:
-        text = pattern.sub(name, text)
-    return text
-
-
-def as_responses(err: APIError) -> APIError:
-    """An error of the chat path, its fields named as this request names them."""
-    err.message = _rename(err.message)
-    err.param = _rename(err.param) if err.param else err.param
-    return err
-
-
-def responses_names(chat: ChatCompletionRequest) -> dict[str, str]:
-    """The runtime's field names -> this request's: the chat table, renamed."""
-    return {k: _rename(v) for k, v in chat_names(chat).items()}
+# The runtime's field names -> this API's (the chat path's prompt and format fields included)
+RESPONSES_NAMES = {"max_new_tokens": "max_output_tokens", "min_new_tokens": "min_tokens", "input_ids": "input",
+                   "text": "input", "structural_tag": "tools", "json_schema": "text.format",
+                   "response_format": "text.format"}
+# chat's fields -> this API's, for what chat's request model refuses of what this request filled in
+CHAT_FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], rid: str) -> ChatCompletionRequest:
@@ -171,8 +149,9 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]], rid: str
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        field = ".".join(str(x) for x in first["loc"])
-        raise as_responses(APIError(400, f"{field}: {first['msg']}", field)) from None
+        loc = [str(x) for x in first["loc"]]
+        field = ".".join([CHAT_FIELDS.get(loc[0], loc[0]), *loc[1:]]) if loc else "input"
+        raise APIError(400, f"{field}: {first['msg']}", field) from None
 
 
 def response_store(request: Request) -> ResponseStore:
@@ -195,9 +174,11 @@ def stored(request: Request, response_id: str, param: str | None = None) -> Stor
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     tm = tm_of(request)
+    # parse
     req = await parse(request)
     model = served_model(request, req.model)
     check_metadata(req.metadata or {})
+    # intake: the conversation so far and the new items, as a chat request
     items = stored(request, req.previous_response_id, "previous_response_id").items if req.previous_response_id else []
     items = items + input_items(req.input)
     header = ResponseHeader(new_item_id("resp"), model, now(), req.instructions, req.max_output_tokens,
@@ -205,15 +186,15 @@ async def create_response(request: Request) -> Response:
                             req.tools or [], req.tool_choice or "auto", req.parallel_tool_calls,
                             req.text or {"format": {"type": "text"}}, req.store, req.user)
     chat = chat_request(req, chat_messages(items, req.instructions), header.id)
-    try:
-        ids, sp = chat_inputs(tm, chat)
-    except APIError as err:
-        raise as_responses(err) from None
-    try:  # the response's id is the call's id: its request is named after it
-        handles = await submit_all(tm, fan_out(tm, [ids], sp, chat).requests)
-    except IntakeError as exc:
-        raise api_error(exc, responses_names(chat)) from None
-    turn = Turn(request, tm, handles, header, items, assistant_output(tm, chat))
+    ids, fields, parse_calls = chat_prompt(tm, chat, RESPONSES_NAMES)
+    options = RequestOptions(cache_namespace=chat.cache_salt, stream=req.stream)
+    with fields_named(RESPONSES_NAMES):
+        # the response's id is the call's id: its request is named after it
+        call = expand([ids], [sampling_params(fields)], [options], header.id, tm.limits.max_n)
+        handles = await submit_all(tm, call.requests)
+    turn = Turn(request, tm, handles, header, items,
+                make_output_parser(tm.tool_format if parse_calls else None, tm.args.reasoning_parser))
+    # wait or stream, format
     return await (turn.stream() if req.stream else turn.whole())
 
 
@@ -221,9 +202,9 @@ class Turn:
     """One running response: waits for or streams its request, then stores the result."""
 
     def __init__(self, request: Request, tm: TokenizerManager, handles: list[ReqHandle], header: ResponseHeader,
-                 items: list[dict[str, Any]], post: AssistantOutput):
+                 items: list[dict[str, Any]], parser: OutputParser):
         self.request, self.tm, self.handles, self.header = request, tm, handles, header
-        self.items, self.post = items, post
+        self.items, self.parser = items, parser
         self.caching = not tm.args.disable_radix_cache
 
     def remember(self, final: dict[str, Any]) -> None:
@@ -232,61 +213,46 @@ class Turn:
             response_store(self.request).put(self.header.id, entry)
 
     async def whole(self) -> Response:
-        try:
-            (state,) = await wait_all(self.tm, self.request, self.handles)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED)
-        raise_if_rejected(state)
+        states = await wait(self.request, self.tm, self.handles)
+        if states is None:
+            return client_closed()
+        (state,) = states
         end = outcome(state)
-        final = self.header.obj(end.status, output_items(self.post.message(state.text), end.item_status),
-                                usage(state, self.caching), end)
+        message = chat_message(parse_whole(self.parser, state.text), self.parser.splits_reasoning)
+        final = self.header.obj(end.status, output_items(message, end.item_status), usage(state, self.caching), end)
         self.remember(final)
         return json_response(final)
 
     async def stream(self) -> Response:
-        updates = merged_updates(self.handles)
-        try:
-            first = await first_update(self.request, updates)
-            raise_if_rejected(first[1])
-        except ClientDisconnected:
-            await close(updates)
-            await abort_unfinished(self.tm, self.handles, "the client disconnected")
-            return Response(status_code=CLIENT_CLOSED)
-        except APIError:
-            await close(updates)
-            await abort_unfinished(self.tm, self.handles, "the request was rejected")
-            raise
+        updates = await open_stream(self.request, self.tm, self.handles)
+        if updates is None:
+            return client_closed()
+        events = EventStream(self.header, self.caching)
 
-        async def frames() -> Any:
-            events = EventStream(self.header, self.caching)
-            sent = ChoiceStream()
-            state: RequestState = first[1]
-            try:
-                for e in events.start():
-                    yield sse_event(e)
-                item: tuple[int, RequestState] | None = first
-                while item is not None:
-                    state = item[1]
-                    delta = self.post.delta(sent.new_text(state))
-                    if state.finished is not None:
-                        raise_if_rejected(state)
-                        delta = merge_delta(delta, self.post.finish_delta())
-                    for e in events.feed(delta):
-                        yield sse_event(e)
-                    item = None if state.finished is not None else await anext(updates, None)
-                closing, final = events.finish(state, outcome(state))
-                for e in closing:
-                    yield sse_event(e)
-                self.remember(final)
-            except APIError as exc:  # after the first event only an error event can say it
-                yield sse_event(events.error(exc.message, exc.param, exc.code or str(exc.status)))
-            except ServerUnavailable as exc:
-                yield sse_event(events.error(f"the server is unavailable: {exc}", None, "503"))
-            finally:
-                await close(updates)
-                await abort_unfinished(self.tm, self.handles, "the client disconnected")
+        def error_frame(exc: APIError) -> bytes:  # after the first event only an error event can say it
+            return sse_event(events.error(exc.message, exc.param, exc.code or str(exc.status)))
 
-        return StreamingResponse(frames(), media_type="text/event-stream")
+        return stream_response(self.tm, self.handles, updates, self.frames(events, updates), error_frame, done=None)
+
+    async def frames(self, events: EventStream, updates: Updates) -> AsyncIterator[bytes]:
+        for e in events.start():
+            yield sse_event(e)
+        sent, calls = 0, 0
+        state: RequestState = updates.first[1]
+        async for _, state in updates:
+            new = state.text[sent:]
+            sent = max(sent, len(state.text))
+            parsed = self.parser.feed(new) if new else Parsed()
+            if state.finished is not None:
+                raise_if_rejected(state)
+                parsed = parsed + self.parser.finish()
+            for e in events.feed(chat_delta(parsed, calls)):
+                yield sse_event(e)
+            calls += len(parsed.calls)
+        closing, final = events.finish(state, outcome(state))
+        for e in closing:
+            yield sse_event(e)
+        self.remember(final)
 
 
 @router.get("/v1/responses/{response_id}")

@@ -1,12 +1,12 @@
 """The objects of ``/v1/responses``, as pure functions of what was generated.
 
 A response object is the request's echo (``ResponseHeader``) plus a status, output items and usage.
-Output items come from the assistant message that ``openai_api.assistant_output`` makes of the generated
-text: reasoning (if the server splits it out), then the text as a ``message`` item, then one
-``function_call`` item per tool call. ``EventStream`` turns the same parser's stream deltas into
-OpenAI's numbered stream events (item added, part added, text deltas, done events, ``response.completed``),
-so streamed and whole responses carry the same items. The shapes follow the official ``openai`` package's
-``openai.types.responses`` models, so its client parses them.
+Output items come from the assistant message that chat's formatting (``openai_format.chat_message``) makes
+of what the output parser split out of the generated text: reasoning (if the server splits it out), then
+the text as a ``message`` item, then one ``function_call`` item per tool call. ``EventStream`` turns the
+same parser's stream deltas into OpenAI's numbered stream events (item added, part added, text deltas, done
+events, ``response.completed``), so streamed and whole responses carry the same items. The shapes follow the
+official ``openai`` package's ``openai.types.responses`` models, so its client parses them.
 """
 
 from __future__ import annotations

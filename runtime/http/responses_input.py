@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.http.errors import APIError
+from runtime.parsers.tool_formats import check_functions
 
 
 def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
@@ -110,16 +111,20 @@ def chat_messages(items: list[dict[str, Any]], instructions: str | None) -> list
 
 
 def chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
-    """Function tools (``{"type": "function", "name", "description", "parameters"}``) in chat shape."""
-    out = []
+    """Function tools (``{"type": "function", "name", "description", "parameters"}``) in chat shape,
+    checked here so that an error names the field as this request holds it (``tools.0.name``)."""
+    functions: list[dict[str, Any]] = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind != "function":
             raise APIError(400, f"tools.{i}.type: only function tools are supported, got {kind!r}",
                            f"tools.{i}.type")
-        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+        functions.append({k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None})
+    try:
+        check_functions([(fn, f"tools.{i}") for i, fn in enumerate(functions)])
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tools") from None
+    return [{"type": "function", "function": fn} for fn in functions]
 
 
 def chat_tool_choice(choice: Any) -> Any:

@@ -42,25 +42,32 @@ class ToolCall:
 
 
 def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
-    """Validate OpenAI ``tools``; returns [{name, description, parameters}]. Raises ValueError("tools...")."""
-    out = []
-    seen = set()
+    """Validate OpenAI chat ``tools``; returns [{name, description, parameters}]. Raises ValueError("tools...")."""
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
             raise ValueError(f"tools.{i}: each tool must be {{'type': 'function', 'function': {{...}}}}")
-        fn = t["function"]
+    return check_functions([(t["function"], f"tools.{i}.function") for i, t in enumerate(tools)])
+
+
+def check_functions(functions: list[tuple[dict[str, Any], str]]) -> list[dict[str, Any]]:
+    """Validate function definitions (``name``, ``description``, ``parameters``), each given with where the
+    request holds it (``tools.0.function`` on chat, ``tools.0`` on the Responses API), which a ValueError's
+    message starts with. Returns [{name, description, parameters}]."""
+    out = []
+    seen = set()
+    for fn, where in functions:
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise ValueError(f"tools.{i}.function.name: must be 1-64 letters, digits, '_', '-' or '.'")
+            raise ValueError(f"{where}.name: must be 1-64 letters, digits, '_', '-' or '.'")
         if name in seen:
-            raise ValueError(f"tools.{i}.function.name: {name!r} is defined twice")
+            raise ValueError(f"{where}.name: {name!r} is defined twice")
         seen.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise ValueError(f"tools.{i}.function.parameters: must be a JSON schema object")
+            raise ValueError(f"{where}.parameters: must be a JSON schema object")
         desc = fn.get("description", "")
         if not isinstance(desc, str):
-            raise ValueError(f"tools.{i}.function.description: must be a string")
+            raise ValueError(f"{where}.description: must be a string")
         out.append({"name": name, "description": desc, "parameters": params})
     return out
 

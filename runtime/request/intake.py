@@ -4,7 +4,7 @@
   ``SingleRequest`` per sequence to generate, in output order (prompt-major, then sample): ``n`` samples,
   request ids, per-sample seeds. ``/generate`` and ``Engine.generate`` reach it through ``from_native``
   (SGLang's GenerateReqInput: one prompt or a batch, per-prompt or shared values), the OpenAI routes and
-  the Responses API through ``openai_api.fan_out``.
+  the Responses API directly (``runtime/http/completions.py``, ``chat.py``, ``responses.py``).
 * ``prepare`` tokenizes a request and runs every check that needs the model (``check``). The HTTP layer and
   the Engine call it before anything is queued, so the scheduler only asserts.
 

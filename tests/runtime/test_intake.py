@@ -8,8 +8,8 @@ import pytest
 from runtime.core.errors import IntakeError
 from runtime.core.messages import AbortCause, FinishReason, RequestOptions
 from runtime.core.sampling_params import SamplingParams
+from runtime.http.completions import COMPLETION_NAMES
 from runtime.http.errors import abort_status, api_error
-from runtime.http.openai_api import COMPLETION_NAMES
 from runtime.request.intake import Limits, SingleRequest, check, expand, from_native
 
 LIMITS = Limits(vocab_size=100, context_length=64, kv_capacity=48, max_n=4)

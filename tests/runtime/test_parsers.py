@@ -6,9 +6,13 @@ import json
 
 import pytest
 
-from runtime.http.openai_tools import ParsedOutput, tool_setup
+from runtime.core.messages import FinishReason
+from runtime.http.chat_render import tool_setup
+from runtime.http.openai_format import chat_delta, chat_finish_reason, chat_message
+from runtime.parsers.output import Parsed, ReasoningParser, ReasoningThenCalls, ToolCallParser, parse_whole
 from runtime.parsers.streams import ReasoningStream, ToolCallStream
 from runtime.parsers.tool_formats import HermesFormat, Llama3JsonFormat, ToolCall, check_tools, make_tool_format
+from runtime.request.state import RequestState
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"town": {"type": "string"}}, "required": ["town"]}}}]
@@ -89,21 +93,37 @@ def test_reasoning_stream(size):
     assert ("".join(o[0] for o in outs) + tail[0], "".join(o[1] for o in outs) + tail[1]) == ("hmm", "done")
 
 
-def test_parsed_output_message_and_deltas_agree():
+def hermes_thinking_parser() -> ReasoningThenCalls:
+    return ReasoningThenCalls(ReasoningParser({"implied_start": False}), ToolCallParser(HermesFormat()))
+
+
+def test_output_parser_whole_and_streamed_agree():
     text = "<think>plan</think>\n" + HERMES_TEXT
-    whole = ParsedOutput(HermesFormat(), {"implied_start": False})
-    msg = whole.message(text)
+    parsed = parse_whole(hermes_thinking_parser(), text)
+    msg = chat_message(parsed, reasoning_field=True)
     assert msg["reasoning_content"] == "plan" and msg["content"] == "Let me check."
     assert [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"town": "Lyon"}',
                                                                         '{"town": "Nice, \\"FR\\""}']
-    assert whole.finish_reason("stop") == "tool_calls"
-    streamed = ParsedOutput(HermesFormat(), {"implied_start": False})
-    deltas = [streamed.delta(text[i : i + 4]) for i in range(0, len(text), 4)] + [streamed.finish_delta()]
+    streamed = hermes_thinking_parser()
+    pieces = [streamed.feed(text[i : i + 4]) for i in range(0, len(text), 4)] + [streamed.finish()]
+    deltas, calls_sent = [], 0
+    for piece in pieces:
+        deltas.append(chat_delta(piece, calls_sent))
+        calls_sent += len(piece.calls)
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1]
     assert [c["function"]["arguments"] for c in calls] == [c["function"]["arguments"] for c in msg["tool_calls"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "plan"
     assert "".join(d.get("content", "") for d in deltas).strip() == "Let me check."
+    assert [(c.name, c.arguments) for c in sum(pieces, Parsed()).calls] == [(c.name, c.arguments)
+                                                                           for c in parsed.calls]
+    # a choice that stopped after calling tools finished for "tool_calls"; one cut by the limit did not
+    state = RequestState("r")
+    state.finished = FinishReason("stop")
+    assert chat_finish_reason(state, len(parsed.calls)) == "tool_calls"
+    assert chat_finish_reason(state, 0) == "stop"
+    state.finished = FinishReason("length")
+    assert chat_finish_reason(state, len(parsed.calls)) == "length"
 
 
 def test_tool_setup_without_template_support_renders_history_as_text():
