@@ -113,17 +113,20 @@ class CacheStats:
     evicted_tokens: int = 0  # left the device (dropped, or moved to the host tier)
     inserted_tokens: int = 0
     # host tier (zero without one); cached_tokens / evictable / protected above are device tokens
-    host_hit_tokens: int = 0  # matched tokens served from the host tier (counted by load_back)
+    host_hit_tokens: int = 0  # recorded hits whose tokens were loaded from the host (``radix.tier_stats``)
     host_tokens: int = 0  # tokens whose KV is in the host pool (host-only and both tiers)
     host_only_tokens: int = 0  # tokens in nodes that are on the host only
     host_capacity: int = 0
     host_evicted_tokens: int = 0  # host-only tokens dropped (or handed to a lower tier) under pressure
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    host_loads: int = 0  # admissions that loaded KV back from the host
+    host_load_seconds: float = 0.0  # how long those admissions waited for their copies, summed
 
     @property
     def device_hit_tokens(self) -> int:
-        """Hits that were on the device already (the recorded hits minus those loaded back from the host)."""
+        """Hits that were on the device already (the recorded hits minus those loaded back from the host;
+        ``radix.tier_stats`` attributes a hit's tokens to the tier they came from when it is recorded)."""
         return max(0, self.hit_tokens - self.host_hit_tokens)
 
     @property

@@ -9,12 +9,14 @@ a full disk. What this class adds:
   on disk yet are gathered from the request's device slots and queued for the background writer. A
   finished request's last token is left out: in the overlap loop its KV may still be being written by the
   batch in flight.
-* Reads at admission. ``load_to_device(match, key, namespace)`` first loads the match's host part (as the
-  host tier does); then, if the match stops short of the caller's key, it reads the disk blocks from the
-  one holding the match's end on, in order, up to the first missing or corrupt one; allocates device
-  slots for the new positions (the matched prefix locked meanwhile, so making room cannot evict it), copies
-  the KV in, inserts the tokens into the tree and returns a fresh device match. Only blocks that lie wholly
-  inside ``key`` are used: the caller's key is what it may reuse, and a block's hash needs all its tokens.
+* Reads at admission. ``load_to_device(match, key, namespace)`` (through the host tier's ``_load_tiers``
+  hook, so the per-tier hit attribution of ``radix.tier_stats`` stays in one place) first loads the match's
+  host part (as the host tier does); then, if the match stops short of the caller's key, it reads the disk
+  blocks from the one holding the match's end on, in order, up to the first missing or corrupt one;
+  allocates device slots for the new positions (the matched prefix locked meanwhile, so making room cannot
+  evict it), copies the KV in, inserts the tokens into the tree and returns a fresh device match. Only
+  blocks that lie wholly inside ``key`` are used: the caller's key is what it may reuse, and a block's hash
+  needs all its tokens.
 
 ``reset`` (``/flush_cache``) flushes the device and host tiers and waits for queued disk writes; the blocks
 on disk stay (they are what a restart resumes from; ``DiskKVStore.clear`` removes them).
@@ -44,9 +46,11 @@ from radix.kv_storage import KVStorage
 
 @dataclass
 class DiskCacheStats(CacheStats):
-    """``CacheStats`` with the disk tier's hits and its report (``DiskTier.report``)."""
+    """``CacheStats`` with the disk tier's hits, loads and its report (``DiskTier.report``)."""
 
-    disk_hit_tokens: int = 0
+    disk_hit_tokens: int = 0  # recorded hits whose tokens were loaded from disk (``radix.tier_stats``)
+    disk_loads: int = 0  # admissions that loaded at least one block
+    disk_load_seconds: float = 0.0  # read + verify + copy into the device pool, summed over those loads
     disk: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -92,12 +96,10 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
             self.disk.offer(key, state.namespace, slots, self.device_kv)
 
     # ------------------------------------------------------------------ reads
-    def load_to_device(
-        self, match: MatchResult, key: TokenSeq | None = None, namespace: Hashable | None = None
-    ) -> MatchResult:
+    def _load_tiers(self, match: MatchResult, key: TokenSeq | None, namespace: Hashable | None) -> MatchResult:
         """The host tier's load, then the disk blocks that continue the match within ``key`` (see the module
         docstring). Without room on the device, or without blocks on disk, the match stays as it is."""
-        match = super().load_to_device(match, key, namespace)
+        match = super()._load_tiers(match, key, namespace)
         if key is None or match.host_len:
             return match
         key = key_bytes(key)
@@ -131,7 +133,10 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
         finally:
             self.unlock(anchor)
         fresh = self.match_prefix(key[: 4 * end], namespace, record=False)
-        self.disk.record_load(fresh.length - start, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.disk.record_load(fresh.length - start, seconds)
+        self._tiers.loaded("disk", fresh.length - start)
+        self._tiers.timed("disk", seconds)
         return fresh
 
     # ------------------------------------------------------------------ flush, stats
@@ -146,4 +151,6 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
 
     def stats(self) -> DiskCacheStats:
         base = super().stats()
-        return DiskCacheStats(**asdict(base), disk_hit_tokens=self.disk.counters.hit_tokens, disk=self.disk.report())
+        t = self._tiers
+        return DiskCacheStats(**asdict(base), disk_hit_tokens=t.hit_tokens["disk"], disk_loads=t.loads["disk"],
+                              disk_load_seconds=t.load_seconds["disk"], disk=self.disk.report())

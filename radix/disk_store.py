@@ -19,8 +19,9 @@ Why each rule:
   never served. A file that vanishes (another process evicted it) is a plain miss.
 * A writer killed mid-write leaves only a temp file (names end ``.tmp`` and carry the writer's host and pid);
   the scan at open ignores temp files and deletes those whose writer is dead (or that are over an hour old).
-* LRU: an in-memory index (hash -> size, oldest first) is rebuilt at open from the files' mtimes; ``get``
-  and ``put`` of a present block touch the mtime, so the order survives a restart. ``put`` evicts the
+* LRU: an in-memory index (``radix.disk_index.BlockIndex``: hash -> size, oldest first) is rebuilt at open
+  from the files' mtimes (``scan_blocks``); ``get`` and ``put`` of a present block touch the mtime, so the
+  order survives a restart. ``put`` evicts the
   oldest blocks to stay under ``capacity_bytes``. Processes sharing a directory each bound what they see
   (blocks they wrote, read or scanned); a miss in the index stats the file, so one sees the other's blocks.
 * Faults: a root that cannot be created or written raises ``DiskTierError`` at open; a write failing later
@@ -31,15 +32,11 @@ Why each rule:
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import secrets
-import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass, fields, replace
@@ -48,14 +45,13 @@ from pathlib import Path
 import torch
 
 from radix.disk_format import BlockCorrupt, KVFingerprint, decode_block, encode_header, payload_bytes
+from radix.disk_index import SUFFIX, TMP_SUFFIX, BlockIndex, scan_blocks, temp_name
 from radix.errors import KVCacheError
 
 logger = logging.getLogger(__name__)
 
-SUFFIX = ".kv"
-TMP_SUFFIX = ".tmp"
-STALE_TMP_SECONDS = 3600.0
-_HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+__all__ = ["SUFFIX", "TMP_SUFFIX", "DiskKVStore", "DiskStoreStats", "DiskTierError"]
+
 _MASK = (1 << 64) - 1
 
 
@@ -95,16 +91,6 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # e.g. EPERM: it exists, owned by someone else
-    return True
-
-
 class DiskKVStore:
     """Blocks of KV on disk, named by chained block hash, for one ``KVFingerprint`` (see the module docstring)."""
 
@@ -125,9 +111,8 @@ class DiskKVStore:
         self._blocks_dir = self.directory / "blocks"
         self._fp = bytes.fromhex(fingerprint.digest())
         self._fsync = fsync
-        self._lock = threading.Lock()
-        self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file size, least recently used first
-        self._bytes = 0
+        self._lock = threading.Lock()  # guards the counters (the index has its own lock)
+        self._index = BlockIndex()
         self._stats = DiskStoreStats()
         self._read_only_reason: str | None = None
         self._warned_read_errnos: set[int] = set()
@@ -140,7 +125,7 @@ class DiskKVStore:
             for i in range(256):
                 (self._blocks_dir / f"{i:02x}").mkdir(exist_ok=True)
             # a real write (temp file, fsync, unlink) catches read-only mounts, permissions and a full disk
-            probe = self.directory / f".probe.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            probe = self.directory / temp_name("probe")
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, b"\0" * 4096)
@@ -170,7 +155,7 @@ class DiskKVStore:
             if theirs != mine:
                 raise DiskTierError(f"{path} names another fingerprint than its directory: {theirs} != {mine}")
             return
-        tmp = self.directory / f".fingerprint.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = self.directory / temp_name("fingerprint")
         tmp.write_text(json.dumps(mine, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, path)
 
@@ -189,42 +174,7 @@ class DiskKVStore:
 
     def rescan(self) -> None:
         """Rebuild the index from the directory (at open; later to see what other processes wrote)."""
-        found: list[tuple[int, int, int]] = []  # (mtime_ns, hash, size)
-        now = time.time()
-        for sub in self._scandir(self._blocks_dir):
-            for e in self._scandir(Path(sub.path)):
-                name = e.name
-                try:
-                    if name.endswith(TMP_SUFFIX):
-                        self._maybe_remove_stale_tmp(e, now)
-                    elif name.endswith(SUFFIX) and len(name) == 16 + len(SUFFIX) and name.startswith(sub.name):
-                        st = e.stat()
-                        found.append((st.st_mtime_ns, int(name[:16], 16), st.st_size))
-                except (OSError, ValueError):
-                    continue  # vanished meanwhile, or not one of ours: never indexed, never read
-        for e in self._scandir(self.directory):  # temp files of fingerprint.json / the write probe
-            if e.name.endswith(TMP_SUFFIX):
-                with suppress(OSError):
-                    self._maybe_remove_stale_tmp(e, now)
-        found.sort()
-        with self._lock:
-            self._index = OrderedDict((h, size) for _, h, size in found)
-            self._bytes = sum(size for _, _, size in found)
-
-    @staticmethod
-    def _scandir(path: Path) -> list[os.DirEntry[str]]:
-        try:
-            return [e for e in os.scandir(path) if e.name[:1] != "." or e.name.endswith(TMP_SUFFIX)]
-        except OSError:
-            return []
-
-    def _maybe_remove_stale_tmp(self, entry: os.DirEntry[str], now: float) -> None:
-        """Delete a temp file whose writer is gone: same host and dead pid, or older than an hour."""
-        parts = entry.name.split(".")  # "", hash, host, pid, random, "tmp"
-        dead = len(parts) == 6 and parts[2] == _HOST and parts[3].isdigit() and not _pid_alive(int(parts[3]))
-        if dead or now - entry.stat().st_mtime > STALE_TMP_SECONDS:
-            with suppress(OSError):
-                os.unlink(entry.path)
+        self._index.replace(scan_blocks(self._blocks_dir, self.directory))
 
     # ----------------------------------------------------------------- queries
     def _path(self, block_hash: int) -> Path:
@@ -233,14 +183,13 @@ class DiskKVStore:
 
     def contains(self, block_hash: int) -> bool:
         """Whether the block is on disk (in the index, or written there by another process)."""
-        with self._lock:
-            if block_hash in self._index:
-                return True
+        if block_hash in self._index:
+            return True
         try:
             size = os.stat(self._path(block_hash)).st_size
         except OSError:
             return False
-        self._note(block_hash, size)
+        self._index.note(block_hash, size)
         return True
 
     def longest_prefix(self, hashes: Sequence[int]) -> int:
@@ -257,7 +206,7 @@ class DiskKVStore:
 
     @property
     def bytes_used(self) -> int:
-        return self._bytes
+        return self._index.bytes
 
     @property
     def writable(self) -> bool:
@@ -273,18 +222,7 @@ class DiskKVStore:
         with self._lock:
             return replace(self._stats)
 
-    # ----------------------------------------------------------------- index
-    def _note(self, block_hash: int, size: int) -> None:
-        """Record the block as present and most recently used."""
-        with self._lock:
-            old = self._index.pop(block_hash, None)
-            self._bytes += size - (old or 0)
-            self._index[block_hash] = size
-
-    def _forget(self, block_hash: int) -> None:
-        with self._lock:
-            self._bytes -= self._index.pop(block_hash, 0)
-
+    # ----------------------------------------------------------------- recency
     def _touch(self, path: Path) -> None:
         """Move the block to the recent end of the on-disk LRU order (its mtime) for the next open."""
         if self._read_only_reason is None:
@@ -325,7 +263,7 @@ class DiskKVStore:
             self._miss(block_hash)
             return None
         self._touch(path)
-        self._note(block_hash, len(buf))
+        self._index.note(block_hash, len(buf))
         dt = time.perf_counter() - t0
         with self._lock:
             s = self._stats
@@ -337,7 +275,7 @@ class DiskKVStore:
         return kv
 
     def _miss(self, block_hash: int) -> None:
-        self._forget(block_hash)
+        self._index.forget(block_hash)
         with self._lock:
             self._stats.misses += 1
 
@@ -360,9 +298,7 @@ class DiskKVStore:
         path = self._path(block_hash)
         if self.contains(block_hash):  # equal hash => equal KV under one fingerprint: nothing to write
             self._touch(path)
-            with self._lock:
-                if block_hash in self._index:
-                    self._index.move_to_end(block_hash)
+            self._index.touch(block_hash)
             return True
         if self._read_only_reason is not None:
             return False
@@ -378,14 +314,14 @@ class DiskKVStore:
         except OSError as e:
             self._write_failed(e)
             return False
-        self._note(block_hash, size)
+        self._index.note(block_hash, size)
         with self._lock:
             self._stats.blocks_written += 1
             self._stats.bytes_written += size
         return True
 
     def _write_atomic(self, path: Path, header: bytes, payload: memoryview) -> None:
-        tmp = path.parent / f".{path.stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        tmp = path.parent / temp_name(path.stem)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(tmp, flags, 0o644)
@@ -424,21 +360,17 @@ class DiskKVStore:
         """Remove least recently used blocks until ``bytes_used + incoming <= capacity`` (0 = unbounded)."""
         if not capacity:
             return
-        victims: list[tuple[int, int]] = []
+        victims = self._index.pop_until(capacity, incoming)
         with self._lock:
-            while self._index and self._bytes + incoming > capacity:
-                h, size = self._index.popitem(last=False)
-                self._bytes -= size
-                victims.append((h, size))
-                self._stats.evicted_blocks += 1
-                self._stats.evicted_bytes += size
+            self._stats.evicted_blocks += len(victims)
+            self._stats.evicted_bytes += sum(size for _, size in victims)
         for h, _ in victims:
             with suppress(OSError):  # already gone (another process evicted it): nothing to do
                 os.unlink(self._path(h))
 
     def remove(self, block_hash: int) -> bool:
         """Delete one block; True if a file was removed."""
-        self._forget(block_hash)
+        self._index.forget(block_hash)
         try:
             os.unlink(self._path(block_hash))
         except OSError:
@@ -448,6 +380,4 @@ class DiskKVStore:
     def clear(self) -> int:
         """Delete every block of this fingerprint (other fingerprints' directories are left alone)."""
         self.rescan()
-        with self._lock:
-            hashes = list(self._index)
-        return sum(self.remove(h) for h in hashes)
+        return sum(self.remove(h) for h in self._index.hashes())

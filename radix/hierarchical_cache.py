@@ -23,26 +23,33 @@ The scheduler's side: ``match_prefix`` as before (``MatchResult.length`` is the 
 ``match.host_len > 0``, ``load_back(match)`` allocates device pages (evicting as needed, or raising
 ``KVOutOfMemoryError``), starts the host → device copy and returns the whole prefix as a device match,
 to be locked with ``assign_prefix`` right away; call ``handle.wait()`` before the forward pass reads it.
+
+Visibility: ``stats()`` reports hits per tier (attributed when the scheduler records a lookup, see
+``radix.tier_stats``; device + host + disk == hit_tokens), bytes copied each way and the time admissions
+waited for loads. The host books and residency rules are checked by ``radix.tiered_integrity``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from collections.abc import Hashable, Iterable
 
 import torch
 
 from radix.allocator import PagedAllocator, ReqToTokenPool
 from radix.base import EMPTY_SLOTS, CacheStats, MatchResult, ReqKV, TokenSeq, key_bytes
-from radix.errors import IntegrityError, KVCacheError, KVOutOfMemoryError
+from radix.errors import KVCacheError, KVOutOfMemoryError
 from radix.events import BlocksRemoved, EventSink
 from radix.eviction import EvictionIndex, make_policy
 from radix.host_pool import DONE, HostKVPool
 from radix.kv_storage import KVStorage
 from radix.radix_cache import RadixCache, TreeNode
-from radix.tiered_node import WRITE_POLICIES, LoadBack, LowerTier, TieredNode
+from radix.tier_stats import TierCounters
+from radix.tiered_integrity import check_tiered_books
+from radix.tiered_node import WRITE_POLICIES, LoadBack, LowerTier, TieredNode, node_path
 
 __all__ = ["WRITE_POLICIES", "HierarchicalRadixCache", "LoadBack", "LowerTier", "TieredNode"]
+
 
 class HierarchicalRadixCache(RadixCache):
     """``RadixCache`` with a host-memory tier behind the device pool (see the module docstring)."""
@@ -81,17 +88,12 @@ class HierarchicalRadixCache(RadixCache):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        self._host_hit = self._to_host = self._to_device = self._host_evicted = 0
+        self._tiers = TierCounters()
 
-    @staticmethod
-    def _path(node: TreeNode) -> list[TieredNode]:
-        """Nodes from just below the root down to ``node``."""
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path  # type: ignore[return-value]
+    def record_lookup(self, hit_tokens: int, total_tokens: int) -> None:
+        """Count the lookup, its host and disk part being what the admission's load brought in."""
+        super().record_lookup(hit_tokens, total_tokens)
+        self._tiers.claim(hit_tokens)
 
     # ------------------------------------------------------------------ lookup
     def match_prefix(
@@ -103,7 +105,7 @@ class HierarchicalRadixCache(RadixCache):
         key = key_bytes(tokens)
         root = self._root(namespace)
         node, _, values = self._walk(key, root, split=True, hit=True)
-        path = self._path(node)
+        path = node_path(node)
         i = 0
         while i < len(path) and path[i].on_device:
             i += 1
@@ -112,6 +114,7 @@ class HierarchicalRadixCache(RadixCache):
         dev = values[:i]
         kv = dev[0] if len(dev) == 1 else (torch.cat(dev) if dev else EMPTY_SLOTS)
         if record:
+            self._tiers.forget_pending()  # a lookup recorded here loaded nothing: all of it is a device hit
             self.record_lookup(int(kv.numel()), len(key) >> 2)
         return MatchResult(kv, path[i - 1] if i else root, tuple(path[i:]))
 
@@ -120,13 +123,20 @@ class HierarchicalRadixCache(RadixCache):
     ) -> MatchResult:
         """``load_back`` for the scheduler's admission: the caller's stream waits for the copy (on CPU it is
         already done), and a device without room leaves the match at its device part (the rest is computed)."""
+        self._tiers.forget_pending()  # a new admission: earlier loads' tokens are plain device KV now
+        return self._load_tiers(match, key, namespace)
+
+    def _load_tiers(self, match: MatchResult, key: TokenSeq | None, namespace: Hashable | None) -> MatchResult:
+        """The loads of one admission (a lower tier's cache extends this)."""
         if not match.host_len:
             return match
+        t0 = time.perf_counter()
         try:
             loaded = self.load_back(match)
         except KVOutOfMemoryError:
             return match
         loaded.handle.wait()
+        self._tiers.timed("host", time.perf_counter() - t0)
         return loaded.match
 
     def load_back(self, match: MatchResult) -> LoadBack:
@@ -167,8 +177,7 @@ class HierarchicalRadixCache(RadixCache):
             if not last.on_device and not last.children:
                 self._host_index.add(last)
             self.unlock(anchor)
-        self._host_hit += n_tokens
-        self._to_device += n_tokens
+        self._tiers.loaded("host", n_tokens)
         return LoadBack(MatchResult(torch.cat([match.kv_indices, slots]), last), slots, handle)
 
     def _alloc_device(self, n_tokens: int) -> torch.Tensor:
@@ -190,7 +199,7 @@ class HierarchicalRadixCache(RadixCache):
         key = key_bytes(tokens)
         end = len(key) // self._unit * self._unit
         node, pos, _ = self._walk(key[:end], self._root(namespace), split=True, hit=False)
-        path = self._path(node)
+        path = node_path(node)
         cached = 0
         i = 0
         while i < len(path) and path[i].on_device:
@@ -262,7 +271,7 @@ class HierarchicalRadixCache(RadixCache):
             if self.host_pool.free_size < k:
                 return False
         node.host_value, _ = self.host_pool.backup(self.device_kv, node.value)
-        self._to_host += k
+        self._tiers.to_host += k
         return True
 
     def _demote(self, node: TieredNode) -> None:
@@ -335,7 +344,7 @@ class HierarchicalRadixCache(RadixCache):
         del parent.children[node.key[: self._unit]]
         self._num_nodes -= 1
         self._host_only -= node.num_tokens
-        self._host_evicted += node.num_tokens
+        self._tiers.host_dropped += node.num_tokens
         if self._events is not None and hashes is not None:
             self._events(BlocksRemoved(hashes))
         if not parent.on_device and not parent.children and parent.node_id not in self._loading:
@@ -358,18 +367,9 @@ class HierarchicalRadixCache(RadixCache):
         super().reset()
 
     def stats(self) -> CacheStats:
-        bpt = self._bytes_per_token
         pool = self.host_pool
-        return dataclasses.replace(
-            super().stats(),
-            host_hit_tokens=self._host_hit,
-            host_tokens=pool.capacity - pool.free_size,
-            host_only_tokens=self._host_only,
-            host_capacity=pool.capacity,
-            host_evicted_tokens=self._host_evicted,
-            bytes_to_host=self._to_host * bpt,
-            bytes_to_device=self._to_device * bpt,
-        )
+        return self._tiers.host_stats(super().stats(), capacity=pool.capacity, free=pool.free_size,
+                                      host_only=self._host_only, bytes_per_token=self._bytes_per_token)
 
     def host_eviction_order(self) -> list[TieredNode]:
         """Host-only leaves, first to be dropped first (introspection for tests and dashboards)."""
@@ -379,46 +379,5 @@ class HierarchicalRadixCache(RadixCache):
         """The device books (``PrefixCache.check_integrity``), the host books (host_free + host slots held
         by nodes == host capacity, every host page one owner) and the residency rules of the module doc."""
         report = super().check_integrity(states)
-        palloc = self.host_pool.allocator
-        ps = self.page_size
-        owner: dict[int, str] = dict.fromkeys(palloc.free_page_set(), "free")
-        held = host_only = 0
-        for node in self._iter_nodes():
-            assert isinstance(node, TieredNode) and isinstance(node.parent, TieredNode)
-            where = f"node {node.node_id}"
-            k = node.num_tokens
-            if node.on_device and node.value.numel() != k:
-                raise IntegrityError(f"{where} holds {node.value.numel()} device slots for {k} tokens")
-            if node.on_device and not node.parent.on_device:
-                raise IntegrityError(f"{where} is on the device below a host-only parent")
-            if not node.on_device and node.host_value is None:
-                raise IntegrityError(f"{where} is on no tier")
-            if node.lock_ref and not node.on_device:
-                raise IntegrityError(f"{where} is locked but not on the device")
-            if node.device_children != sum(c.value.numel() > 0 for c in node.children.values()):
-                raise IntegrityError(f"{where} miscounts its device children")
-            dev_leaf = node.on_device and node.lock_ref == 0 and node.device_children == 0
-            if (node.evict_key is not None) != dev_leaf:
-                raise IntegrityError(f"{where}: device eviction index membership is wrong")
-            host_leaf = not node.on_device and not node.children and node.node_id not in self._loading
-            if (node.host_evict_key is not None) != host_leaf:
-                raise IntegrityError(f"{where}: host eviction index membership is wrong")
-            if node.host_value is None:
-                continue
-            if node.host_value.numel() != k:
-                raise IntegrityError(f"{where} holds {node.host_value.numel()} host slots for {k} tokens")
-            held += k
-            host_only += 0 if node.on_device else k
-            for page in torch.unique(node.host_value // ps).tolist():
-                if page in owner:
-                    raise IntegrityError(f"host page {page} is owned by both {owner[page]} and {where}")
-                owner[page] = where
-        if len(owner) != palloc.num_pages:
-            raise IntegrityError(f"{palloc.num_pages - len(owner)} host pages have no owner (leaked)")
-        if palloc.free_size + held != palloc.capacity or host_only != self._host_only:
-            raise IntegrityError(
-                f"host accounting does not balance: free {palloc.free_size} + held {held} != capacity "
-                f"{palloc.capacity}, or host-only {host_only} != {self._host_only}"
-            )
-        report.update(host_free=palloc.free_size, host_held=held, host_capacity=palloc.capacity)
+        report.update(check_tiered_books(self._iter_nodes(), self.host_pool.allocator, self._loading, self._host_only))
         return report

@@ -39,6 +39,17 @@ class TieredNode(TreeNode):
         return "device+host" if self.value.numel() else "host"
 
 
+def node_path(node: TreeNode) -> list[TieredNode]:
+    """Nodes from just below the root down to ``node`` (of a tiered tree: every node is a ``TieredNode``)."""
+    path: list[TieredNode] = []
+    while node.parent is not None:
+        assert isinstance(node, TieredNode)
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
 class LowerTier(Protocol):
     """Where host-only blocks go when the host pool drops them (a disk tier); called before the slots
     are freed, so ``pool.k_buffer[:, host_slots]`` still holds their KV."""

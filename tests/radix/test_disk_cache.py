@@ -40,8 +40,9 @@ def run(cache: DiskTieredRadixCache, tokens: list[int]) -> int:
     """Admit and compute ``tokens`` as the scheduler does (match, load, lock, compute the rest, cache it);
     checks that every loaded position holds the K/V computed for it. Returns the reused length."""
     key = tokens[: len(tokens) - 1]  # the scheduler always computes the last prompt token
-    m = cache.load_to_device(cache.match_prefix(key), key)
+    m = cache.load_to_device(cache.match_prefix(key, record=False), key)
     assert m.host_len == 0
+    cache.record_lookup(m.length, len(tokens))  # attributes the loaded tokens to their tier
     got_k = cache.device_kv.k_buffer[:, m.kv_indices]
     got_v = cache.device_kv.v_buffer[:, m.kv_indices]
     want_k, want_v = kv_for(tokens, 0, m.length)

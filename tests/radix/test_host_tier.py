@@ -49,14 +49,16 @@ def make(ps=4, dev_pages=5, host_pages=8, policy="write_back", events=None, lowe
 
 
 def start(cache, tokens, ns=None):
-    """Admit a request as the scheduler would: match, load back what is on the host, lock, compute."""
-    m = cache.match_prefix(tokens, ns)
+    """Admit a request as the scheduler would: match, load back what is on the host, record the lookup
+    (which attributes the loaded tokens to the host tier), lock, compute."""
+    m = cache.match_prefix(tokens, ns, record=False)
     loaded = 0
     if m.host_len:
         lb = cache.load_back(m)
         lb.handle.wait()
         loaded = lb.slots.numel()
         m = lb.match
+    cache.record_lookup(m.length, len(tokens))
     st = cache.new_request(ns)
     cache.assign_prefix(st, m)
     k, v = kv_for(tokens, 0, m.length)
@@ -150,6 +152,32 @@ def test_evicted_prefix_goes_to_host_and_loads_back_bit_exactly(ps):
     assert tiers(cache, A) == ["device+host"] and tiers(cache, B) == ["host"]
     s = cache.stats()
     assert s.host_hit_tokens == 12 and s.bytes_to_device == 12 * SHAPE.bytes_per_token
+
+
+def test_hits_are_counted_for_the_tier_they_came_from_when_the_lookup_is_recorded():
+    """A load whose request is not admitted moves KV but serves no hit: when the request comes back its prefix
+    is on the device. A recorded admission that loads is a host hit. The tiers always add up to the hits."""
+    bpt = SHAPE.bytes_per_token
+    cache = make(ps=4, dev_pages=5, host_pages=8)
+    run(cache, A)
+    run(cache, B)  # A goes to the host
+    m = cache.load_to_device(cache.match_prefix(A, record=False), A)  # admission refused: nothing recorded
+    assert m.length == 12 and tiers(cache, A) == ["device+host"]
+    s = cache.stats()
+    assert s.host_hit_tokens == 0 and s.host_loads == 1 and s.bytes_to_device == 12 * bpt
+    m = cache.load_to_device(cache.match_prefix(A + [9], record=False), A + [9])  # it comes back: on the device
+    cache.record_lookup(m.length, 13)
+    s = cache.stats()
+    assert (s.hit_tokens, s.device_hit_tokens, s.host_hit_tokens, s.host_loads) == (12, 12, 0, 1)
+    run(cache, C)  # A (least recently used on the device) goes to the host again
+    assert tiers(cache, A) == ["host"]
+    m = cache.load_to_device(cache.match_prefix(A + [9], record=False), A + [9])
+    cache.record_lookup(m.length, 13)
+    cache.match_prefix(A, record=True)  # a recorded lookup that loads nothing is all device
+    s = cache.stats()
+    assert (s.hit_tokens, s.device_hit_tokens, s.host_hit_tokens, s.host_loads) == (36, 24, 12, 2)
+    assert s.host_load_seconds > 0 and s.bytes_to_device == 24 * bpt
+    cache.check_integrity()
 
 
 def test_write_through_copies_on_insert_write_back_on_eviction():
