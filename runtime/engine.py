@@ -1,8 +1,12 @@
 """Engine: the runtime in-process. ``Engine(model=..., **options).generate(...)``.
 
-The scheduler runs on a background thread (the same Scheduler the server's scheduler process runs);
-``generate`` may be called from many threads at once and each call waits only for its own requests.
-Results are SGLang-native dicts: ``{"text", "output_ids", "meta_info"}``.
+The scheduler runs on a background thread: the same Scheduler and the same ``SchedulerLoop`` the server's
+scheduler process runs, over an in-process queue transport instead of ZMQ sockets
+(``runtime/server/transports.py``). The front half is the server's too: the same intake
+(``runtime.request.intake``), a ``RequestTracker`` of handles, and each request's ``DecodeStream``, run on
+its caller's thread as the server's detokenizer process runs it. Control calls are the server's typed
+control queries. ``generate`` may be called from many threads at once and each call waits only for its own
+requests. Results are SGLang-native dicts: ``{"text", "output_ids", "meta_info"}``.
 """
 
 from __future__ import annotations
@@ -15,27 +19,41 @@ from typing import Any, TypeVar
 
 from runtime.config import ServerArgs
 from runtime.core.errors import IntakeError
-from runtime.core.messages import ReqOutput
+from runtime.core.messages import (
+    AbortRequest,
+    ControlQuery,
+    ControlReply,
+    FlushCacheQuery,
+    IntegrityCheckQuery,
+    ReqOutput,
+    ServerInfoQuery,
+)
 from runtime.executor.model_runner import ModelRunner
 from runtime.models.loader import load_tokenizer
 from runtime.models.tokenizer import eos_token_ids
-from runtime.request.decode_stream import DecodeStream
 from runtime.request.intake import Limits, SingleRequest, from_native, prepare
-from runtime.request.state import RequestState
+from runtime.request.tracker import DecodingHandle, RequestTracker
 from runtime.scheduler.scheduler import Scheduler
+from runtime.server.scheduler_loop import InspectQuery, SchedulerLoop
+from runtime.server.transports import QueueTransport
 
 logger = logging.getLogger(__name__)
-GRAMMAR_POLL_S = 0.005
 
 
-class _Call:
-    """One request's mailbox between the scheduler thread and the caller."""
+class _Call(DecodingHandle):
+    """One request's handle: the scheduler thread puts its outputs in ``updates``, and its caller's thread
+    detokenizes and applies them."""
 
     def __init__(self, single: SingleRequest, tokenizer: Any):
-        self.single = single
-        self.state = RequestState(single.rid)
-        self.decoder = DecodeStream(tokenizer, single.sampling)
+        super().__init__(single, tokenizer)
         self.updates: queue.SimpleQueue[ReqOutput | BaseException] = queue.SimpleQueue()
+
+    def next_update(self) -> None:
+        """Wait for the next output and apply it; RuntimeError if the scheduler thread failed."""
+        item = self.updates.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError("the scheduler thread failed") from item
+        self.apply_output(item)
 
 
 T = TypeVar("T")
@@ -72,12 +90,12 @@ class Engine:
         self.scheduler = on_short_lived_thread(lambda: Scheduler(self.args, self.runner, self.tokenizer, eos))
         self.limits = Limits(self.runner.vocab_size, self.runner.context_length, self.runner.allocator.capacity,
                              self.args.max_running_requests)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._calls: dict[str, _Call] = {}
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
+        self._calls: RequestTracker[_Call] = RequestTracker()
+        self._transport = QueueTransport(self._route)
+        self._loop = SchedulerLoop(self.scheduler, self._transport)
+        self._stopped = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixserve-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="radixserve-scheduler", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
@@ -116,22 +134,22 @@ class Engine:
         return results if call.is_batch else results[0]
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(("abort", rid))
+        self._transport.send(AbortRequest(rid))
 
     def flush_cache(self) -> bool:
-        return bool(self._control(lambda s: s.flush_cache()))
+        return self._ask(FlushCacheQuery()).ok
 
     def check_integrity(self) -> dict[str, int]:
-        return dict(self._control(lambda s: s.check_integrity()))
+        return dict(self._answer(IntegrityCheckQuery()))
 
     def server_info(self) -> dict[str, Any]:
         """Queues, KV accounting (integrity-checked), cache and scheduler statistics."""
-        return dict(self._control(lambda s: s.server_info()))
+        return self._answer(ServerInfoQuery())
 
     def shutdown(self) -> None:
-        if not self._stopped.is_set():
-            self._stopped.set()
-            self._inbox.put(("wake", None))
+        if not self._stopped:
+            self._stopped = True
+            self._transport.close()
             self._thread.join(timeout=30)
 
     def __enter__(self) -> Engine:
@@ -146,34 +164,20 @@ class Engine:
         return _Call(single, self.tokenizer)
 
     def _send(self, call: _Call) -> None:
-        s = call.single
         self._check_alive()
-        with self._lock:
-            if s.rid in self._calls:
-                raise IntakeError("rid", f"request id {s.rid!r} is already in use")
-            self._calls[s.rid] = call
-        self._inbox.put(("submit", s.message()))
-
-    def _apply(self, call: _Call, out: ReqOutput) -> None:
-        text = call.decoder.add(out.new_token_ids, out.finished)
-        call.state.update(out, text)
+        self._calls.add(call)  # raises for a rid in use, or once the scheduler thread has died
+        self._transport.send(call.single.message())
 
     def _wait(self, call: _Call, text_in_logprobs: bool) -> dict[str, Any]:
         while call.state.finished is None:
-            item = call.updates.get()
-            if isinstance(item, BaseException):
-                raise RuntimeError("the scheduler thread failed") from item
-            self._apply(call, item)
+            call.next_update()
         return self._result(call, text_in_logprobs)
 
     def _stream(self, call: _Call, text_in_logprobs: bool) -> Iterator[dict[str, Any]]:
         self._send(call)
         try:
             while call.state.finished is None:
-                item = call.updates.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the scheduler thread failed") from item
-                self._apply(call, item)
+                call.next_update()
                 yield self._result(call, text_in_logprobs)
         finally:
             if call.state.finished is None:
@@ -188,56 +192,40 @@ class Engine:
         if self._error is not None or not self._thread.is_alive():
             raise RuntimeError("the Engine's scheduler thread has stopped") from self._error
 
-    def _control(self, fn: Any) -> Any:
+    def _ask(self, query: ControlQuery) -> ControlReply:
         self._check_alive()
-        box: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._inbox.put(("control", (fn, box)))
-        while True:
-            try:
-                result = box.get(timeout=0.5)
-                break
-            except queue.Empty:
-                self._check_alive()  # it may die while this call waits
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return self._transport.ask(query, self._check_alive)  # it may die while this call waits
+
+    def _answer(self, query: ControlQuery) -> dict[str, Any]:
+        """A query's data; the exception it raised on the scheduler thread, re-raised here, if it failed."""
+        reply = self._ask(query)
+        if reply.error is not None:
+            raise reply.error
+        if not reply.ok:
+            raise RuntimeError(reply.data.get("message", f"{type(query).__name__} failed"))
+        return reply.data
+
+    def _control(self, fn: Callable[[Scheduler], T]) -> T:
+        """``fn(scheduler)`` on the scheduler thread between two steps (tests and benchmarks read and adjust
+        the scheduler this way)."""
+        value: T = self._answer(InspectQuery(fn=fn))["value"]
+        return value
 
     # ------------------------------------------------------------------ scheduler thread
-    def _loop(self) -> None:
-        sched = self.scheduler
+    def _run(self) -> None:
         try:
-            while not self._stopped.is_set():
-                # block while idle; poll briefly while only grammar compilations are pending
-                timeout: float | None = None if sched.idle else (0.0 if sched.busy else GRAMMAR_POLL_S)
-                while True:
-                    try:
-                        kind, payload = self._inbox.get(block=timeout != 0.0, timeout=timeout or None)
-                    except queue.Empty:
-                        break
-                    timeout = 0.0
-                    self._handle(kind, payload)
-                for out in sched.step():
-                    with self._lock:
-                        call = self._calls.get(out.rid)
-                        if out.finished is not None:
-                            self._calls.pop(out.rid, None)
-                    if call is not None:
-                        call.updates.put(out)
+            self._loop.run()
         except BaseException as exc:  # surface the failure to every waiting caller
             logger.exception("scheduler thread failed")
             self._error = exc
-            with self._lock:
-                for call in self._calls.values():
-                    call.updates.put(exc)
+            refusal = RuntimeError("the Engine's scheduler thread has stopped")
+            refusal.__cause__ = exc  # for a request registered after this (``_send`` checks first)
+            for call in self._calls.close(refusal):
+                call.updates.put(exc)
 
-    def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "submit":
-            self.scheduler.submit(payload)
-        elif kind == "abort":
-            self.scheduler.abort(payload)
-        elif kind == "control":
-            fn, box = payload
-            try:
-                box.put(fn(self.scheduler))
-            except BaseException as exc:
-                box.put(exc)
+    def _route(self, outputs: list[ReqOutput]) -> None:
+        """One step's outputs to their requests' handles (on the scheduler thread; the callers detokenize)."""
+        for out in outputs:
+            call = self._calls.route(out)
+            if call is not None:
+                call.updates.put(out)

@@ -101,6 +101,12 @@ class FlushCacheQuery(ControlQuery):
 
 
 @dataclass
+class IntegrityCheckQuery(ControlQuery):
+    """Check the KV accounting (free + evictable + protected + private == capacity, one owner per page);
+    the reply's data is the four terms and the capacity."""
+
+
+@dataclass
 class CacheTreeQuery(ControlQuery):
     """The radix tree for the dashboard, aggregated to at most ``max_nodes`` nodes."""
 
@@ -117,7 +123,10 @@ class DashboardStatsQuery(ControlQuery):
 class ControlReply:
     req_id: str
     ok: bool
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # on failure: {"message": ...}
+    # The exception a failed query raised, for the in-process transport, whose caller re-raises it as it is;
+    # the ZMQ transport sends None (not every exception pickles), and its callers read ``data["message"]``.
+    error: BaseException | None = None
 
 
 # ---------------------------------------------------------------------- from the scheduler
@@ -147,7 +156,8 @@ class BatchTokenOut:
 
 @dataclass
 class SchedulerStatus:
-    """Load and cache figures the scheduler pushes about twice a second (for /metrics and routers)."""
+    """Load and cache figures the scheduler pushes about twice a second (for /metrics and routers), computed
+    by ``Scheduler.status()`` alone (the dashboard's live figures and /get_server_info start from it too)."""
 
     num_running: int
     num_waiting: int
@@ -158,6 +168,26 @@ class SchedulerStatus:
     capacity: int
     # Steps that ran a forward pass since start: the watchdog's evidence of progress while work is pending.
     forward_steps: int = 0
+    # The KV pool's books: what running requests hold privately is capacity minus these three.
+    kv_free: int = 0
+    kv_evictable: int = 0
+    kv_protected: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    cache_nodes: int = 0
+    evicted_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    forward_seconds: float = 0.0
+    finished_requests: int = 0
+    # Hits and traffic per memory tier ("device", and "host" / "disk" when those tiers are on), as
+    # ``runtime.scheduler.results.tier_report`` gives them: numbers, except a disk tier's ``directory`` (str)
+    # and ``writable`` (bool).
+    tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def kv_private(self) -> int:
+        return self.capacity - self.kv_free - self.kv_evictable - self.kv_protected
 
 
 @dataclass

@@ -29,6 +29,18 @@ RESERVE_CLIP = 4096  # most future tokens reserved for one request
 DEDUP_MIN_TOKENS = 32  # shared uncached tokens that make deferring worthwhile
 
 
+def never_fits(prompt_tokens: int, context_length: int, capacity: int) -> str | None:
+    """Why a prompt can never be admitted (None: it can). The APIs' intake (``runtime.request.intake``)
+    refuses such requests before they are sent; the scheduler checks again for a direct ``submit``."""
+    if prompt_tokens == 0:
+        return "the prompt is empty"
+    if prompt_tokens >= context_length:
+        return f"the prompt has {prompt_tokens} tokens; the model's context length is {context_length}"
+    if prompt_tokens + 1 > capacity:
+        return f"the prompt needs {prompt_tokens + 1} KV tokens but the pool holds {capacity}"
+    return None
+
+
 class NewTokenRatio:
     """The share of their remaining tokens that running requests are expected to still produce."""
 

@@ -5,12 +5,22 @@ decisions about the batch in flight."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from radix.base import PrefixCache
+from runtime.config import ServerArgs
 from runtime.executor.worker import WorkHandle, WorkItem
 from runtime.scheduler.admission import PrefillPlan
 from runtime.scheduler.batch import StepBatch
 from runtime.scheduler.req import Req
+
+
+def overlap_enabled(args: ServerArgs, device: Any) -> bool:
+    """Which loop runs: overlap by default on CUDA; on CPU only with ``--enable-overlap-schedule``; never with
+    the disable flag."""
+    if args.disable_overlap_schedule:
+        return False
+    return getattr(device, "type", str(device)) == "cuda" or args.enable_overlap_schedule
 
 
 @dataclass

@@ -34,17 +34,15 @@ import logging
 import random
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 from radix.base import PrefixCache
 from runtime.config import ServerArgs
-from runtime.constrained.grammar import GrammarBackend, GrammarMasker
-from runtime.core.messages import AbortCause, FinishReason, ReqOutput, TokenizedRequest
+from runtime.core.messages import AbortCause, FinishReason, ReqOutput, SchedulerStatus, TokenizedRequest
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
-from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
+from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan, never_fits
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.cache_setup import make_cache
 from runtime.scheduler.forward_io import (
@@ -52,22 +50,17 @@ from runtime.scheduler.forward_io import (
     ForwardOutput,
     continuing_requests,
     must_process_first,
+    overlap_enabled,
 )
+from runtime.scheduler.grammar_queue import GrammarQueue
 from runtime.scheduler.policy import make_schedule_policy
 from runtime.scheduler.req import Req
-from runtime.scheduler.results import record_prompt_logprobs, status_report
+from runtime.scheduler.results import live_status, record_prompt_logprobs, status_report
 from runtime.scheduler.stats import SchedulerStats
 from runtime.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 DECODE_LOG_INTERVAL = 40
-
-
-def overlap_enabled(args: ServerArgs, device: Any) -> bool:
-    """On by default on CUDA; on CPU only with ``--enable-overlap-schedule``; never with the disable flag."""
-    if args.disable_overlap_schedule:
-        return False
-    return getattr(device, "type", str(device)) == "cuda" or args.enable_overlap_schedule
 
 
 class Scheduler:
@@ -81,8 +74,7 @@ class Scheduler:
         self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference)
         self.stop = StopChecker(tokenizer, runner.context_length)
         self.tokenizer = tokenizer
-        self._grammar: GrammarBackend | None = None
-        self.compiling: list[tuple[Req, Future[Any]]] = []  # waiting for their grammar
+        self.grammars = GrammarQueue(tokenizer, runner.vocab_size, eos_ids, self.sampler)  # waiting for their grammar
         self.eos_ids = eos_ids
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
@@ -101,62 +93,36 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
         req = Req.from_message(msg, seed=self.rng.getrandbits(63), eos_ids=self.eos_ids)
-        error = self._admissible(req)
+        # a guard for a direct submit (tests, tools): the APIs' intake refuses these before they are sent
+        error = never_fits(len(req.input_ids), self.runner.context_length, self.runner.allocator.capacity)
         if error:
             self._finish_early(req, FinishReason("abort", message=error, cause=AbortCause.INVALID))
             return
-        grammar = req.sampling.grammar
-        if grammar is not None:
-            self.compiling.append((req, self._grammar_backend().compile_async(*grammar)))
-            return
-        self.waiting.append(req)
-
-    def _grammar_backend(self) -> GrammarBackend:
-        if self._grammar is None:  # built on first use: most servers never see a grammar
-            self._grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
-            self.sampler.grammar_masker = GrammarMasker(self.runner.vocab_size)
-        return self._grammar
+        if req.sampling.grammar is not None:
+            self.grammars.add(req)
+        else:
+            self.waiting.append(req)
 
     def _collect_grammars(self) -> None:
         """Requests whose grammar finished compiling join the waiting queue."""
-        if not self.compiling:
+        if not self.grammars:
             return
-        still = []
-        for req, fut in self.compiling:
-            if not fut.done():
-                still.append((req, fut))
-                continue
-            exc = fut.exception()
-            if exc is not None:
-                self._finish_early(req, FinishReason("abort", message=str(exc), cause=AbortCause.INVALID))
-                continue
-            req.grammar = self._grammar_backend().matcher(fut.result())
-            self.waiting.append(req)
-        self.compiling = still
-
-    def _admissible(self, req: Req) -> str | None:
-        """A guard for a direct ``submit`` (tests, tools): the APIs' intake (``runtime.request.intake.check``)
-        refuses these requests before they are sent, so none of them reaches this through a server."""
-        n = len(req.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.runner.context_length:
-            return f"the prompt has {n} tokens; the model's context length is {self.runner.context_length}"
-        if n + 1 > self.runner.allocator.capacity:
-            return f"the prompt needs {n + 1} KV tokens but the pool holds {self.runner.allocator.capacity}"
-        return None
+        ready, failed = self.grammars.collect()
+        self.waiting += ready
+        for req, message in failed:
+            self._finish_early(req, FinishReason("abort", message=message, cause=AbortCause.INVALID))
 
     def abort(self, rid: str, message: str = "aborted by request", cause: AbortCause = AbortCause.CLIENT) -> bool:
         """Remove ``rid`` from the queue or the running batch and free its KV; False if unknown."""
         self.drain()
-        for req in self.waiting + [r for r, _ in self.compiling]:
-            if req.rid == rid:
-                if req in self.waiting:
-                    self.waiting.remove(req)
-                else:
-                    self.compiling = [(r, f) for r, f in self.compiling if r is not req]
-                self._finish_early(req, FinishReason("abort", message=message, cause=cause))
-                return True
+        queued = next((r for r in self.waiting if r.rid == rid), None)
+        if queued is not None:
+            self.waiting.remove(queued)
+        else:
+            queued = self.grammars.remove(rid)
+        if queued is not None:
+            self._finish_early(queued, FinishReason("abort", message=message, cause=cause))
+            return True
         for req in self.running + ([self.chunked] if self.chunked else []):
             if req.rid == rid:
                 if req is self.chunked:
@@ -186,6 +152,11 @@ class Scheduler:
         """Outputs produced between steps (early finishes, aborts); ``step()`` returns them too."""
         out, self._pending = self._pending, []
         return out
+
+    @property
+    def compiling(self) -> bool:
+        """Requests are waiting for their grammar (a driver polls briefly instead of blocking)."""
+        return bool(self.grammars)
 
     @property
     def idle(self) -> bool:
@@ -400,11 +371,16 @@ class Scheduler:
         self.drain()
         return self.cache.check_integrity([r.kv for r in self.holders() if r.kv is not None])
 
+    def status(self) -> SchedulerStatus:
+        """The live figures (queues, KV books, cache, counters), cheap enough to compute twice a second: no
+        drain of an in-flight batch, no integrity check."""
+        return live_status(self.cache, self.stats, len(self.running) + (1 if self.chunked else 0), len(self.waiting))
+
     def server_info(self) -> dict[str, Any]:
-        """Queue sizes, KV accounting (checked), cache and scheduler statistics."""
+        """The live figures plus KV accounting (checked), cache and scheduler details."""
         self.drain()
-        return status_report(self.cache, self.stats, self.policy, self.ratio.value,
-                             len(self.running) + (1 if self.chunked else 0), len(self.waiting), self.check_integrity())
+        return status_report(self.status(), self.cache, self.stats, self.policy, self.ratio.value,
+                             self.check_integrity())
 
     def _log_step(self, prefills: list[PrefillPlan], decodes: int) -> None:
         if prefills:

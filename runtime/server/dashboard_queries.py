@@ -1,6 +1,6 @@
 """The scheduler's read-only answers for the dashboard: the cache tree and the cheap live figures.
 
-Both run in the scheduler process between two steps (``SchedulerLoop._control``), so they see a consistent
+Both run on the scheduler's thread between two steps (``SchedulerLoop``'s control queries), so they see a consistent
 tree and pools without locks. Neither drains an in-flight overlap batch (its results are applied at the
 next step, as usual) and neither runs the integrity check that /get_server_info does: the dashboard polls
 every second and must not slow the steps down. The KV figures are the allocator's and the cache's own
@@ -28,20 +28,18 @@ def cache_tree(scheduler: Any, max_nodes: int, min_tokens: int) -> dict[str, Any
 
 
 def live_stats(scheduler: Any) -> dict[str, Any]:
-    cache = scheduler.cache
-    alloc = cache.allocator
-    cs = cache.stats()
-    st = scheduler.stats
-    free, evictable, protected = alloc.free_size, cache.evictable_size, cache.protected_size
+    """The dashboard's sample: ``Scheduler.status()`` (the figures /metrics gets too), in the dashboard's shape."""
+    st = scheduler.status()
     return {
         "time": time.time(),
-        "num_running_reqs": len(scheduler.running) + (1 if scheduler.chunked else 0),
-        "num_waiting_reqs": len(scheduler.waiting),
-        "kv": {"free": free, "evictable": evictable, "protected": protected,
-               "private": alloc.capacity - free - evictable - protected, "capacity": alloc.capacity},
-        "cache": {"hit_tokens": cs.hit_tokens, "miss_tokens": cs.miss_tokens, "hit_rate": round(cs.hit_rate, 4),
-                  "cached_tokens": cs.cached_tokens, "num_nodes": cs.num_nodes,
-                  "evicted_tokens": cs.evicted_tokens},
-        "scheduler": {"steps": st.steps, "prefill_tokens": st.prefill_tokens, "decode_tokens": st.decode_tokens,
-                      "forward_seconds": st.forward_seconds, "finished_requests": st.finished},
+        "num_running_reqs": st.num_running,
+        "num_waiting_reqs": st.num_waiting,
+        "kv": {"free": st.kv_free, "evictable": st.kv_evictable, "protected": st.kv_protected,
+               "private": st.kv_private, "capacity": st.capacity},
+        "cache": {"hit_tokens": st.hit_tokens, "miss_tokens": st.miss_tokens, "hit_rate": st.cache_hit_rate,
+                  "cached_tokens": st.cached_tokens, "num_nodes": st.cache_nodes,
+                  "evicted_tokens": st.evicted_tokens},
+        "scheduler": {"steps": st.forward_steps, "prefill_tokens": st.prefill_tokens,
+                      "decode_tokens": st.decode_tokens, "forward_seconds": st.forward_seconds,
+                      "finished_requests": st.finished_requests},
     }

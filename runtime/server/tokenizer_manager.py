@@ -18,12 +18,12 @@ import zmq
 import zmq.asyncio
 
 from runtime.config import ServerArgs
-from runtime.core.errors import IntakeError
 from runtime.core.messages import AbortCause, AbortRequest, BatchStrOut, ControlQuery, ControlReply, SchedulerStatus
 from runtime.models.tokenizer import load_chat_template
 from runtime.parsers.tool_formats import make_tool_format
 from runtime.request.intake import Limits, SingleRequest, prepare
 from runtime.request.state import RequestState
+from runtime.request.tracker import RequestHandle, RequestTracker
 from runtime.server.ipc import Endpoints, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -42,20 +42,14 @@ class QueueFull(RuntimeError):
         self.retry_after = 1
 
 
-class ReqHandle:
+class ReqHandle(RequestHandle):
+    """A request of the server's: the receive loop applies its outputs (text from the detokenizer process) and
+    wakes its waiter."""
+
     def __init__(self, single: SingleRequest):
-        self.single = single
-        self.state = RequestState(single.rid)
+        super().__init__(single)
         self.changed = asyncio.Event()
         self.failed: str | None = None
-
-    @property
-    def rid(self) -> str:
-        return self.single.rid
-
-    @property
-    def stream(self) -> bool:
-        return self.single.options.stream
 
     @property
     def done(self) -> bool:
@@ -92,7 +86,7 @@ class TokenizerManager:
         self.limits = Limits(self.vocab_size, self.context_length, int(model_info["max_total_tokens"]),
                              args.max_running_requests)
         self.endpoints = endpoints
-        self.handles: dict[str, ReqHandle] = {}
+        self.handles: RequestTracker[ReqHandle] = RequestTracker()  # sent and not finished, by rid
         self.status: SchedulerStatus | None = None
         self.status_time = time.monotonic()  # when the last status arrived (the watchdog's heartbeat)
         self.dead: str | None = None
@@ -123,10 +117,9 @@ class TokenizerManager:
     def mark_dead(self, reason: str) -> None:
         """A child process died: fail every pending request and refuse new ones."""
         self.dead = reason
-        for handle in list(self.handles.values()):
+        for handle in self.handles.close(ServerUnavailable(reason)):
             handle.failed = reason
             handle.changed.set()
-        self.handles.clear()
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -168,12 +161,11 @@ class TokenizerManager:
         """Send one request to the scheduler (``checked``: ``prepare`` already ran on it)."""
         if self.dead:
             raise ServerUnavailable(self.dead)
-        if single.rid in self.handles:
-            raise IntakeError("rid", f"request id {single.rid!r} is already in use")
+        self.handles.check_free(single.rid)
         if not checked:
             self.prepare(single)
         handle = ReqHandle(single)
-        self.handles[single.rid] = handle
+        self.handles.add(handle)
         timeout = single.options.timeout
         if timeout is None:
             timeout = self.args.request_timeout
@@ -198,8 +190,7 @@ class TokenizerManager:
             self._expiring.add(task)  # held until sent (the loop keeps only weak references to tasks)
             task.add_done_callback(self._expiring.discard)
 
-    def _forget(self, rid: str) -> None:
-        del self.handles[rid]
+    def _cancel_timer(self, rid: str) -> None:
         timer = self._timers.pop(rid, None)
         if timer is not None:
             timer.cancel()
@@ -223,15 +214,15 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOut):
                 now = time.perf_counter()
                 for item in msg.outputs:
-                    handle = self.handles.get(item.out.rid)
+                    handle = self.handles.route(item.out)  # a finished request's handle leaves the registry
                     if handle is None:
                         continue
                     before = handle.state.completion_tokens
-                    handle.state.update(item.out, item.text)
+                    handle.apply(item.out, item.text)
                     if self.on_output is not None:
                         self.on_output(handle, before, now)
                     if item.out.finished is not None:
-                        self._forget(item.out.rid)
+                        self._cancel_timer(item.out.rid)
                     handle.changed.set()
             elif isinstance(msg, SchedulerStatus):
                 self.status = msg
