@@ -1,4 +1,5 @@
-"""From a run's records to its figures: throughput, TTFT and latency percentiles, errors, hit rate vs optimum."""
+"""From a run's records to its figures: throughput, TTFT and latency percentiles, errors, hit rate vs optimum,
+and (for radixserve) what each memory tier served during the run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def percentile(xs: Sequence[float], p: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# what the per-tier report of a run holds: the growth of these cache.tiers figures over the run
+TIER_FIGURES = ("hit_tokens", "bytes_written", "bytes_read", "loads", "load_seconds")
 
 
 def _rate(num: float, den: float) -> float:
@@ -77,6 +82,7 @@ def summarize(run: RunResult, system: str, optimum: OptimumResult | None = None,
         "cached_tokens": sum(r.cached_tokens or 0 for r in with_cached) if with_cached else None,
         "hit_rate": hit_rate,
         "server_hit_rate": server_hit_rate(run),
+        "server_tiers": server_tiers(run),
         "optimum_hit_rate": optimum.rate if optimum is not None and optimum.prompt_tokens else None,
         "optimum_prompt_tokens": optimum.prompt_tokens if optimum is not None else None,
         "prompt_token_mismatches": prompt_mismatches,
@@ -96,6 +102,47 @@ def server_hit_rate(run: RunResult) -> float | None:
     hit = a.get("hit_tokens", 0) - b.get("hit_tokens", 0)
     miss = a.get("miss_tokens", 0) - b.get("miss_tokens", 0)
     return hit / (hit + miss) if hit + miss > 0 else None
+
+
+def server_tiers(run: RunResult) -> dict[str, dict[str, float | None]] | None:
+    """What each memory tier did during the run, from radixserve's ``cache.tiers`` counters before and after
+    (as ``server_hit_rate``): per tier the growth of ``TIER_FIGURES``, ``hit_share`` (the tier's part of the
+    run's hit tokens) and ``mean_load_ms`` (per load from a lower tier). Like ``server_hit_rate`` it counts
+    every sequence. None for servers without the figures."""
+    if run.server_before is None or run.server_after is None:
+        return None
+    before = run.server_before["cache"].get("tiers") or {}
+    after = run.server_after["cache"].get("tiers") or {}
+    if not after:
+        return None
+    out: dict[str, dict[str, float | None]] = {}
+    for tier, figures in after.items():
+        prev = before.get(tier, {})
+        grown: dict[str, float | None] = {k: figures[k] - prev.get(k, 0) for k in TIER_FIGURES
+                                          if isinstance(figures.get(k), int | float)}
+        loads, seconds = grown.get("loads"), grown.get("load_seconds")
+        if loads is not None and seconds is not None:
+            grown["mean_load_ms"] = 1e3 * seconds / loads if loads > 0 else None
+        out[tier] = grown
+    hits = sum(t.get("hit_tokens") or 0 for t in out.values())
+    for t in out.values():
+        t["hit_share"] = (t.get("hit_tokens") or 0) / hits if hits > 0 else None
+    return out
+
+
+def format_tiers(tiers: dict[str, dict[str, Any]]) -> list[str]:
+    """One summary line per memory tier: hit tokens and share, loads and their mean wait, bytes each way."""
+    lines = []
+    for name, t in tiers.items():
+        share = t.get("hit_share")
+        line = f"   tier {name}: {int(t.get('hit_tokens') or 0)} hit tokens"
+        line += f" ({100 * share:.1f}% of hits)" if share is not None else ""
+        if t.get("loads") is not None:
+            line += f", {int(t['loads'])} loads (mean {_f(t.get('mean_load_ms'), '.2f')} ms)"
+        if t.get("bytes_written") is not None:
+            line += f", {t['bytes_written'] / 1e6:.1f} MB in, {(t.get('bytes_read') or 0) / 1e6:.1f} MB out"
+        lines.append(line)
+    return lines
 
 
 def _f(x: Any, spec: str = ".3f") -> str:
@@ -120,6 +167,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("hit_vs_optimum") is not None:
         hit += f"; {100 * s['hit_vs_optimum']:.1f}% of the optimum"
     lines.append(hit)
+    if s.get("server_tiers") and len(s["server_tiers"]) > 1:  # the device alone says nothing new
+        lines += format_tiers(s["server_tiers"])
     if s.get("prompt_token_mismatches"):
         lines.append(f"   note: {s['prompt_token_mismatches']} prompts tokenize differently from the server's "
                      "usage figure; the optimum is approximate")

@@ -213,6 +213,23 @@ def _profile_table(p: dict[str, Any]) -> list[str]:
     return out
 
 
+def _tier_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Where a system's hits came from, per memory tier (radixserve with the hierarchical cache only)."""
+    rows = [(s, row) for s, row in rows if len(row.get("server_tiers") or {}) > 1]
+    if not rows:
+        return []
+    lines = ["| system | tier | hit tokens | share of hits | loads | mean load | MB in | MB out |",
+             "| --- | --- |" + " ---: |" * 6]
+    for s, row in rows:
+        for name, t in row["server_tiers"].items():
+            share = _num(t.get("hit_share"))
+            mb = [None if b is None else b / 1e6 for b in (_num(t.get("bytes_written")), _num(t.get("bytes_read")))]
+            lines.append(f"| {LABELS.get(s, s)} | {name} | {int(t.get('hit_tokens') or 0)} | "
+                         f"{'n/a' if share is None else f'{100 * share:.1f}%'} | {_fmt(t.get('loads'), '.0f')} | "
+                         f"{_fmt(t.get('mean_load_ms'), '.2f', ' ms')} | {_fmt(mb[0], '.1f')} | {_fmt(mb[1], '.1f')} |")
+    return [*lines, ""]
+
+
 def _sources(summary: dict[str, Any]) -> str:
     """Where the requests came from: the built-in generators and/or workload files (by name)."""
     names: list[str] = []
@@ -304,6 +321,7 @@ def render_section(summary: dict[str, Any], image_links: list[str]) -> str:
                 f"{_fmt(row['latency_p99_s'], '.3f', ' s')} | {row['errors']} | {_fmt(row.get('hit_rate'), '.3f')} | "
                 f"{_fmt(row.get('optimum_hit_rate'), '.3f')} | {'n/a' if hv is None else f'{100 * hv:.1f}%'} |")
         lines.append("")
+        lines += _tier_table([(s, idx[(s, wl)]) for s in systems if (s, wl) in idx])
     if summary.get("profile"):
         lines += ["### Where the time goes", "", *_profile_table(summary["profile"]), ""]
     lines.append(END)
