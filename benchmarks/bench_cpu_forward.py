@@ -120,11 +120,11 @@ def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float)
         # where a batch-1 step goes (a separate pass: the timers cost a little themselves)
         eng.flush_cache()
         prompts = [[rng.randrange(3, 49000) for _ in range(context)]]
-        timers = eng._control(lambda s: Timers(s.runner.model))
+        timers = eng.inspect(lambda s: Timers(s.runner.model))
         steps = 24
         ms, _ = decode_step_ms(eng, 1, lambda: eng.generate(input_ids=prompts, sampling_params={
             **sp, "max_new_tokens": steps}))
-        eng._control(lambda s: timers.close())
+        eng.inspect(lambda s: timers.close())
         forwards = timers.attention_calls / timers.layers
         per_step = {k: 1e3 * v / forwards for k, v in timers.totals.items()}
         out["b1_breakdown_ms"] = {**per_step, "other": max(0.0, ms - sum(per_step.values())), "step": ms}

@@ -17,9 +17,9 @@ def decode_step_ms(engine: Engine, batch: int, run: Callable[[], T]) -> tuple[fl
     """Run ``run`` (engine calls) and return the median ms of the scheduler steps it caused that decoded
     exactly ``batch`` rows — the prefill step and the tail where requests finish are left out — with
     what ``run`` returned."""
-    engine._control(lambda s: s.stats.decode_steps.clear())
+    engine.inspect(lambda s: s.stats.decode_steps.clear())
     out = run()
-    times = engine._control(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
+    times = engine.inspect(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
     return 1000 * statistics.median(times), out
 
 

@@ -205,7 +205,7 @@ class Engine:
             raise RuntimeError(reply.data.get("message", f"{type(query).__name__} failed"))
         return reply.data
 
-    def _control(self, fn: Callable[[Scheduler], T]) -> T:
+    def inspect(self, fn: Callable[[Scheduler], T]) -> T:
         """``fn(scheduler)`` on the scheduler thread between two steps (tests and benchmarks read and adjust
         the scheduler this way)."""
         value: T = self._answer(InspectQuery(fn=fn))["value"]

@@ -80,7 +80,7 @@ class EventSink(Protocol):
 @dataclass(kw_only=True)
 class InspectQuery(ControlQuery):
     """``fn(scheduler)`` run between two steps, its value in the reply's ``data["value"]``: for tests and
-    benchmarks that read or adjust the Engine's scheduler (``Engine._control``). In-process only: a function
+    benchmarks that read or adjust the Engine's scheduler (``Engine.inspect``). In-process only: a function
     does not cross a process boundary, so the server's transport never carries one."""
 
     fn: Callable[[Scheduler], Any]

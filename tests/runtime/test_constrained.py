@@ -119,7 +119,7 @@ def test_compiled_grammars_are_cached(tiny_engine):
     schema = json.dumps({**SCHEMA, "title": "cache-probe"})
     params = {"json_schema": schema, "max_new_tokens": 1}
     engine.generate(input_ids=PROMPT, sampling_params=params)
-    backend = engine._control(lambda s: s.grammars.backend)
+    backend = engine.inspect(lambda s: s.grammars.backend)
     assert (backend.compiles, backend.cache_hits) == (1, 0)
     compiled = backend.compile_async("json_schema", schema).result()
     engine.generate(input_ids=PROMPT[::-1], sampling_params=params)

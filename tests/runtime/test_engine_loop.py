@@ -47,7 +47,7 @@ def test_control_queries_through_the_engine(tiny_engine):
     assert info["cache"]["cached_tokens"] >= len(PROMPT)
     assert_books_balance(info["kv"])
     # /get_server_info's figures start from Scheduler.status(): the same numbers, read between two steps
-    status = engine._control(lambda s: s.status())
+    status = engine.inspect(lambda s: s.status())
     assert (status.num_running, status.num_waiting) == (0, 0)
     assert status.cached_tokens == info["cache"]["cached_tokens"]
     assert status.tiers == info["cache"]["tiers"] and status.tiers["device"]["cached_tokens"] == status.cached_tokens
@@ -77,13 +77,13 @@ def test_a_failed_query_raises_its_own_exception_and_the_engine_goes_on(tiny_eng
     def leak(s: Any) -> None:  # slots taken from the pool that nobody owns: the books no longer balance
         freed.append(s.cache.allocator.alloc(s.cache.page_size))
 
-    engine._control(leak)
+    engine.inspect(leak)
     with pytest.raises(IntegrityError):
         engine.check_integrity()
-    engine._control(lambda s: s.cache.allocator.free(freed.pop()))
+    engine.inspect(lambda s: s.cache.allocator.free(freed.pop()))
     assert_books_balance(engine.check_integrity())
     with pytest.raises(ZeroDivisionError):
-        engine._control(lambda s: 1 / 0)
+        engine.inspect(lambda s: 1 / 0)
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
 
 
@@ -100,7 +100,7 @@ def test_callers_fail_at_once_when_the_scheduler_thread_dies(tiny_model_dir):
 
             s.step = step
 
-        engine._control(break_after_first_step)
+        engine.inspect(break_after_first_step)
         box: dict[str, BaseException] = {}
 
         def call() -> None:

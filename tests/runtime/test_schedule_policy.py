@@ -77,7 +77,7 @@ def test_the_scheduler_admits_in_its_policys_order(tiny_engine: Any, policy: str
         results[rid] = engine.generate(input_ids=ids, rid=rid, sampling_params=long)
 
     def running() -> list[str]:
-        return list(engine._control(lambda s: [r.rid for r in s.running]))
+        return list(engine.inspect(lambda s: [r.rid for r in s.running]))
 
     def wait_until(what: str, predicate: Any) -> None:
         deadline = time.time() + 60
