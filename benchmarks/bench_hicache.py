@@ -2,7 +2,11 @@
 device pool, served with the host tier and without it, in one run.
 
     python benchmarks/bench_hicache.py [--sessions 32] [--turns 4] [--concurrency 8] [--pool-share 0.25]
-                                       [--host-ratio 4] [--json out.json]
+                                       [--host-ratio 4] [--host-workloads short,document] [--json out.json]
+
+Steps 1-3 run for each host-tier workload: ``short`` (the built-in multi-turn chat: ~350-token histories,
+32 new tokens a turn, so decoding dominates) and ``document`` (the same conversations, each opening with a
+pasted ~1,000-token document, so a turn whose history was dropped recomputes ~1,000+ tokens).
 
 1. **Sizing**: the workload runs once on a server whose pool holds everything; the tokens its tree holds at
    the end are the working set W, and the hit rate there is the unbounded optimum.
@@ -83,14 +87,21 @@ NOTE_WORDS = ["river", "stone", "lamp", "north", "quiet", "harbour", "seven", "g
               "winter", "letter", "garden", "engine", "bridge", "orange", "silver", "window", "morning"]
 
 
-def restart(log_dir: Path, model: str, sessions: int, common: list[str]) -> dict[str, Any]:
-    """Warm restart from the disk tier vs a cold restart: TTFT of each conversation's third turn."""
-    wl = make_workload("multiturn", overrides={"sessions": sessions, "turns": 3})
+def with_documents(wl: dict[str, Any]) -> dict[str, Any]:
+    """The multi-turn workload with each conversation opening with a pasted ~1,000-token document, as chats
+    often do (seeded: the same text every run)."""
     rng = random.Random(7)
-    for sess in wl["sessions"]:  # each conversation starts with a pasted document, as chats often do
+    for sess in wl["sessions"]:
         first_turn = sess["steps"][0]["append"][0]
         notes = " ".join(rng.choice(NOTE_WORDS) for _ in range(DOCUMENT_WORDS))
         first_turn["content"] = f"Here are my notes:\n{notes}\n\n{first_turn['content']}"
+    wl["description"] = wl.get("description", "multiturn") + ", each opening with a ~1,000-token document"
+    return wl
+
+
+def restart(log_dir: Path, model: str, sessions: int, common: list[str]) -> dict[str, Any]:
+    """Warm restart from the disk tier vs a cold restart: TTFT of each conversation's third turn."""
+    wl = with_documents(make_workload("multiturn", overrides={"sessions": sessions, "turns": 3}))
     store = log_dir / "kv-store"
     disk = [*common, "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
             "--hicache-storage-dir", str(store)]
@@ -147,22 +158,29 @@ def main() -> None:
     ap.add_argument("--host-ratio", type=float, default=4.0, help="host pool as a multiple of the KV pool")
     ap.add_argument("--restart-sessions", type=int, default=32, help="conversations in the warm-restart part")
     ap.add_argument("--skip-host", action="store_true", help="run only the warm-restart part")
+    ap.add_argument("--host-workloads", default="short,document",
+                    help="comma-separated host-tier workloads: 'short' (the built-in multi-turn chat) and/or "
+                         "'document' (the same conversations, each opening with a ~1,000-token document)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    wl = make_workload("multiturn", overrides={"sessions": args.sessions, "turns": args.turns})
     log_dir = Path(tempfile.mkdtemp(prefix="bench-hicache-"))
     common = ["--dtype", "float32"]  # the same arithmetic in every run, on every host
 
     result: dict[str, Any] = {"model": args.model, "cpu_simd": cpu_simd()}
     if not args.skip_host:
-        result.update(host_tier(args, wl, log_dir, common))
+        result["host_tier"] = {}
+        for name in args.host_workloads.split(","):
+            wl = make_workload("multiturn", overrides={"sessions": args.sessions, "turns": args.turns})
+            if name == "document":
+                wl = with_documents(wl)
+            result["host_tier"][name] = host_tier(args, wl, log_dir / name, common)
     if args.restart_sessions:
         result["warm_restart"] = restart(log_dir, args.model, args.restart_sessions, common)
     emit(result, args.json)
 
 
 def host_tier(args: Any, wl: dict[str, Any], log_dir: Path, common: list[str]) -> dict[str, Any]:
-    sizing, info = run_server(log_dir, "unbounded", [*common, "--max-total-tokens", "32768"], wl,
+    sizing, info = run_server(log_dir, "unbounded", [*common, "--max-total-tokens", "131072"], wl,
                               args.concurrency, args.model)
     working_set = int(info["cache"]["cached_tokens"])
     pool = max(4096, int(working_set * args.pool_share))
