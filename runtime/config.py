@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    meta: dict[str, Any] = {"help": help}
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (),
+         **kw: Any) -> Any:
+    meta: dict[str, Any] = {"help": help, "aliases": aliases}
     if choices:
         meta["choices"] = choices
     if isinstance(default, (list, dict)):
@@ -117,7 +118,14 @@ class ServerArgs:
     enable_overlap_schedule: bool = _opt(
         False, "Overlap scheduling on CPU too (the forward pass runs on a worker thread); off by default there, "
         "where the scheduler and the model share the same cores.")
-    num_threads: int | None = _opt(None, "torch threads of the model worker on CPU (default: all cores).")
+    num_threads: int | None = _opt(None, "torch threads of the model worker on CPU (default: all cores); with "
+                                   "--tp-size N each rank gets an Nth of them (at least one).")
+    tp_size: int = _opt(
+        1, "Tensor parallelism: split the model over N ranks (processes; one GPU each on CUDA over NCCL, CPU "
+        "threads split between them over gloo on loopback). Attention splits by query heads, each rank "
+        "holding the KV heads its heads read (replicated when N exceeds the KV heads); the MLP and the "
+        "vocabulary split in even slices. N may not exceed the model's attention heads. Alias --tp.",
+        aliases=("--tp",))
     random_seed: int = _opt(0, "Seed for requests that give none (each request still gets its own stream).")
     # ---------------------------------------------------------------- protection
     max_queued_requests: int | None = _opt(
@@ -141,6 +149,22 @@ class ServerArgs:
     kv_events_port: int | None = _opt(
         None, "Publish radix-cache insert/evict events on this TCP port (ZMQ PUB, JSON) so a router in exact "
         "mode can mirror the cache; each new subscriber first receives a snapshot of the whole cache.")
+
+    # ---------------------------------------------------------------- speculative decoding
+    speculative_algorithm: str | None = _opt(
+        None, "Speculative decoding: ngram = each running request drafts up to --speculative-num-draft-tokens next "
+        "tokens by matching its last tokens against its own prompt and output and against the requests this "
+        "server finished (same cache namespace), and the model verifies them in one forward; outputs are the "
+        "same as without (greedy and seeded sampling). Normal (lockstep) loop only: the overlap loop runs "
+        "without speculation (default: off).", ("ngram",))
+    speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request verifies per step (K); each request "
+                                             "drafts fewer while its drafts are rejected.")
+    speculative_ngram_min_match_window_size: int = _opt(
+        2, "Shortest suffix of a request (tokens) that must match earlier text for a draft to be proposed.")
+    speculative_ngram_max_match_window_size: int = _opt(
+        8, "Longest suffix compared when ranking matches (the longest match's continuation is drafted).")
+    speculative_ngram_capacity: int = _opt(
+        262144, "Tokens of finished requests' prompts and outputs kept as draft material (oldest go first).")
 
     # ---------------------------------------------------------------- derived
     def resolve(self) -> ServerArgs:
@@ -194,6 +218,12 @@ class ServerArgs:
              "must be >= 0")
         need(self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0 seconds")
         need(self.watchdog_timeout > 0, "watchdog_timeout", "must be > 0 seconds")
+        need(self.tp_size >= 1, "tp_size", "must be >= 1")
+        if self.tp_size > 1:
+            # the host and disk tiers copy KV pages out of rank 0's pool only; the other ranks' head shards
+            # would be lost, so the combination is refused rather than served wrong
+            need(not self.enable_hierarchical_cache, "tp_size",
+                 "--enable-hierarchical-cache is not supported with tensor parallelism yet (use --tp-size 1)")
         need(self.hicache_ratio > 0, "hicache_ratio", "must be > 0")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 GB")
         need(self.hicache_storage_size is None or self.hicache_storage_size > 0, "hicache_storage_size",
@@ -205,6 +235,10 @@ class ServerArgs:
              "the disk tier sits below the host pool: add --enable-hierarchical-cache")
         need((self.hicache_storage_backend is None) == (self.hicache_storage_dir is None), "hicache_storage_dir",
              "--hicache-storage-backend file and --hicache-storage-dir PATH go together")
+        need(self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens", "must be >= 1")
+        need(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
+             "speculative_ngram_min_match_window_size", "must be >= 1 and <= the max match window size")
+        need(self.speculative_ngram_capacity >= 0, "speculative_ngram_capacity", "must be >= 0")
         if self.enable_deterministic_inference:
             name = "enable_deterministic_inference"
             need(self.device in ("auto", "cpu"), name,
@@ -257,14 +291,14 @@ def add_server_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     for f in fields(ServerArgs):
         if f.name in exclude:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         meta = f.metadata
         tp = _arg_type(hints[f.name])
         if tp is bool:
-            parser.add_argument(flag, action="store_true", help=meta["help"])
+            parser.add_argument(*flags, action="store_true", help=meta["help"])
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        parser.add_argument(flag, type=tp, default=default, choices=meta.get("choices"), help=meta["help"])
+        parser.add_argument(*flags, type=tp, default=default, choices=meta.get("choices"), help=meta["help"])
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

@@ -151,6 +151,7 @@ class Engine:
             self._stopped = True
             self._transport.close()
             self._thread.join(timeout=30)
+            self.runner.close()  # tensor-parallel ranks stop now, not when the runner is collected
 
     def __enter__(self) -> Engine:
         return self

@@ -8,13 +8,22 @@ On CUDA the start-up order is: weights (or a ``random:NAME`` model drawn on the 
 sized from the free memory left after the weights minus a reserve for the decode CUDA graphs (they need
 the pool to exist before they can be captured), then graph capture (``cuda_graph``), whose time and
 memory are logged. Decode batches that fit a captured size replay a graph; everything else runs eagerly.
+
+With ``--tp-size N > 1`` this runner is rank 0 of N (``tp_ranks``): it starts ranks 1..N-1 as processes,
+splits the CPU threads between them, holds its own shard of the weights and of every KV page, and each step
+broadcasts the batch before running its shard; the logits come back whole to rank 0 only. The allocator,
+the request table and the radix tree stay here, so the scheduler never knows that the model is split.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +31,14 @@ import torch
 
 from radix.allocator import PagedAllocator, ReqToTokenPool
 from radix.kv_storage import KVShape, KVStorage
-from runtime.attention import make_attention_backend
 from runtime.config import ServerArgs, default_num_threads
 from runtime.core.forward_batch import ForwardBatch
+from runtime.distributed.comm import TPComm
 from runtime.executor.cuda_graph import CudaGraphRunner, capture_batch_sizes, graph_memory_reserve
-from runtime.models.loader import attention_shape, kv_layout, load_config, load_model, resolve_model_path
-from runtime.models.ops import cpu_weight_format, make_ops
-from runtime.models.random_model import build_random_model, is_random_model, random_model_config
+from runtime.executor.model_build import build_model, kv_shape, model_source, tp_shards
+from runtime.executor.tp_ranks import MemorySpec, RankFailure, RankGroup, rank_device
+from runtime.executor.tp_step import send_step, send_stop
+from runtime.models.tp_plan import TPContext
 
 logger = logging.getLogger(__name__)
 
@@ -49,59 +59,78 @@ class ModelRunner:
     def __init__(self, args: ServerArgs):
         args = args.resolve() if args.device == "auto" or args.dtype == "auto" else args
         self.args = args
-        self.device = torch.device(args.device)
+        self.tp_size = args.tp_size
+        self.device = rank_device(torch.device(args.device), 0) if args.tp_size > 1 else torch.device(args.device)
+        threads = max(1, (args.num_threads or default_num_threads()) // args.tp_size)  # each rank its share
         if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or default_num_threads())
+            torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.random_weights = is_random_model(args.model)
-        if self.random_weights:
-            # No files: the config is a preset, the weights are drawn on the device; the tokenizer (and so
-            # the generation config read next to it) is the default model's.
-            self.model_path = resolve_model_path("default")
-            self.hf_config = random_model_config(args.model)
-        else:
-            self.model_path = resolve_model_path(args.model)
-            self.hf_config = load_config(self.model_path)
-        backend = make_attention_backend(args.attention_backend, attention_shape(self.hf_config), self.device,
-                                         args.torch_dtype)
-        self.attn_backend = backend
-        ops = make_ops(args.enable_deterministic_inference, cpu_weight_format(args, self.device))
-        if self.random_weights:
-            self.model = build_random_model(self.hf_config, backend, args.torch_dtype, self.device,
-                                            args.random_seed, ops)
-        else:
-            self.model, _ = load_model(self.model_path, args.torch_dtype, self.device, backend, ops)
-        self.model.ops.prepare(self.model)
-        ctx: Any = args.context_length or getattr(self.hf_config, "max_position_embeddings", 4096)
-        self.context_length = int(ctx)
-        self.vocab_size = int(self.hf_config.vocab_size)
-        self.graph_runner: CudaGraphRunner | None = None
-        graph_sizes = self._graph_sizes()
-        self._init_memory(self._graph_reserve(graph_sizes))
-        if graph_sizes:
-            self._capture_graphs()
+        source = model_source(args)
+        self.random_weights = source.random_weights
+        self.model_path, self.hf_config = source.model_path, source.hf_config
+        self.tp: TPContext | None = None
+        self.ranks: RankGroup | None = None
+        if args.tp_size > 1:
+            shards = tp_shards(self.hf_config, args.tp_size)  # a shape that does not split fails before any spawn
+            self.tp = TPContext.for_rank(shards, TPComm(0, args.tp_size, args.enable_deterministic_inference))
+            self.ranks = RankGroup(args, args.tp_size, torch.device(args.device), threads)
+            self._tp_lock = threading.Lock()  # one step's collectives at a time (overlap runs on a thread)
+            weakref.finalize(self, _stop_ranks, self.ranks, self.tp.comm, self.device, self._tp_lock)
+        try:
+            self.model, self.attn_backend = build_model(args, source, self.device, self.tp)
+            ctx: Any = args.context_length or getattr(self.hf_config, "max_position_embeddings", 4096)
+            self.context_length = int(ctx)
+            self.vocab_size = int(self.hf_config.vocab_size)
+            self.graph_runner: CudaGraphRunner | None = None
+            graph_sizes = self._graph_sizes()
+            self._init_memory(self._graph_reserve(graph_sizes))
+            if self.ranks is not None and self.tp is not None:
+                self.ranks.publish_memory(MemorySpec(self.kv.total_slots, args.page_size,
+                                                     *self.req_to_token.table.shape))
+                self.ranks.wait_ready()
+                self.ranks.connect(self.tp.comm, self.device)
+            if graph_sizes:
+                self._capture_graphs()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(timeout=0)
+            raise
         name = args.model if self.random_weights else self.model_path.name
-        logger.info("model %s loaded in %.1fs; KV pool %d tokens (%.0f MiB, page size %d) on %s", name,
+        tp = f", tensor parallel over {args.tp_size} ranks ({threads} threads each)" if args.tp_size > 1 else ""
+        logger.info("model %s loaded in %.1fs; KV pool %d tokens (%.0f MiB, page size %d) on %s%s", name,
                     time.perf_counter() - t0, self.allocator.capacity, self.kv.nbytes / 2**20, args.page_size,
-                    self.device)
+                    self.device, tp)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing without TP). Also runs when the runner is collected
+        or the interpreter exits; the ranks die with this process in any case."""
+        if self.ranks is not None and self.tp is not None:
+            _stop_ranks(self.ranks, self.tp.comm, self.device, self._tp_lock)
 
     # ------------------------------------------------------------------ memory
     def _init_memory(self, reserve_bytes: int = 0) -> None:
         """Allocator, request table and KV pool; ``reserve_bytes`` (CUDA graphs) is kept out of the budget."""
         args = self.args
-        layers, kv_heads, head_dim = kv_layout(self.hf_config)
-        shape = KVShape(layers, kv_heads, head_dim, args.torch_dtype)
+        shape = kv_shape(args, self.model)
         if args.max_total_tokens:
             capacity = args.max_total_tokens
         else:
             free = max(0, self._memory_available() - reserve_bytes)
-            budget = int(free * (args.mem_fraction_static or 0.2))
+            budget = int(free * (args.mem_fraction_static or 0.2) * self._kv_budget_share(shape))
             capacity = shape.tokens_for_bytes(budget, args.page_size)
         capacity = max(args.page_size, capacity // args.page_size * args.page_size)
         self.allocator = PagedAllocator(capacity, args.page_size, self.device)
         self.req_to_token = ReqToTokenPool(args.max_running_requests + RESERVED_ROWS, self.context_length + 8,
                                            self.device)
         self.kv = KVStorage(shape, self.allocator.total_slots, args.page_size, self.device)
+
+    def _kv_budget_share(self, shape: KVShape) -> float:
+        """The part of the KV budget this rank's shard may use: on CPU every rank's shard lives in the same
+        RAM (shares by KV heads held), on CUDA each rank has its own GPU (the fullest rank decides)."""
+        if self.tp is None:
+            return 1.0
+        heads = [s.num_kv_heads for s in self.tp.shards]
+        return shape.num_kv_heads / (sum(heads) if self.device.type == "cpu" else max(heads))
 
     def _memory_available(self) -> int:
         if self.device.type == "cuda":
@@ -126,6 +155,9 @@ class ModelRunner:
         """Decode batch sizes to capture; empty when graphs are off (CPU, the flag, or the backend)."""
         args = self.args
         if self.device.type != "cuda" or args.disable_cuda_graph:
+            return []
+        if self.tp is not None:
+            logger.info("CUDA graphs are off under tensor parallelism (the collectives are not captured yet)")
             return []
         if not getattr(self.attn_backend, "supports_cuda_graph", False):
             logger.info("CUDA graphs are off: the %s attention backend cannot be captured (use flashinfer)",
@@ -163,6 +195,9 @@ class ModelRunner:
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states of every new token: a graph replay for decode batches that fit one."""
+        if self.tp is not None:
+            with self._tp_step(batch, torch.empty(0, dtype=torch.int64)):
+                return self.model.forward(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.plan(batch)
@@ -171,10 +206,41 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_device(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Like :meth:`forward`, leaving the float32 logits on the model's device (for on-device sampling)."""
+        if self.tp is not None:
+            with self._tp_step(batch, logit_rows):
+                hidden = self.model.forward(batch)
+                return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device))).float()
         hidden = self.hidden_states(batch)
         return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device))).float()
+
+    @contextlib.contextmanager
+    def _tp_step(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> Iterator[None]:
+        """Broadcast the step to the other ranks, then run rank 0's shard inside; a failed collective
+        becomes a :class:`RankFailure` naming the rank that died."""
+        assert self.ranks is not None and self.tp is not None
+        if self.ranks.failure is not None:
+            raise RankFailure(self.ranks.failure)
+        with self._tp_lock:
+            try:
+                send_step(self.tp.comm, batch, logit_rows)
+                yield
+            except RuntimeError as exc:
+                reason = self.ranks.failure_reason()
+                if reason is None:
+                    raise
+                raise RankFailure(reason) from exc
 
     def info(self) -> ModelInfo:
         archs: Any = getattr(self.hf_config, "architectures", None) or ["?"]
         path = self.args.model if self.random_weights else str(self.model_path)
         return ModelInfo(path, archs[0], self.context_length, self.vocab_size, self.args.dtype, str(self.device))
+
+
+def _stop_ranks(ranks: RankGroup, comm: TPComm, device: torch.device, lock: threading.Lock) -> None:
+    """Send STOP (if the group still works) and wait for the ranks to exit; idempotent."""
+    if ranks.closed:
+        return
+    if ranks.connected and ranks.failure is None:
+        with lock, contextlib.suppress(RuntimeError):
+            send_stop(comm, device)
+    ranks.close()

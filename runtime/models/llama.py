@@ -27,6 +27,7 @@ from runtime.core.forward_batch import ForwardBatch
 from runtime.models.errors import ModelLoadError
 from runtime.models.layers import RotaryCache, rope_parameters
 from runtime.models.ops import ModelOps, TorchOps
+from runtime.models.tp_plan import TPContext, fused_pieces, hf_pieces, take
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +91,26 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block: ``r += o_proj(attn(norm(r)))``; ``r += down(silu(gate) * up)(norm(r))``."""
+    """One pre-norm block: ``r += o_proj(attn(norm(r)))``; ``r += down(silu(gate) * up)(norm(r))``.
 
-    def __init__(self, arch: LlamaArch, layer_id: int, dtype: torch.dtype, device: torch.device):
+    Under tensor parallelism (``tp``) the layer holds its rank's query/KV heads and MLP columns: QKV and
+    gate/up are column-parallel (no communication), o_proj and down are row-parallel, each followed by one
+    all-reduce of the ``[T, hidden]`` partial sums (see :meth:`_row_parallel_add`)."""
+
+    def __init__(self, arch: LlamaArch, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TPContext | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.eps = arch.rms_norm_eps
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.inter = arch.intermediate_size
-        hidden, inter, qkv_rows = arch.hidden_size, arch.intermediate_size, self.q_size + 2 * self.kv_size
+        self.tp = tp
+        heads, kv_heads, inter = arch.num_heads, arch.num_kv_heads, arch.intermediate_size
+        if tp is not None:
+            heads, kv_heads, inter = tp.shard.num_heads, tp.shard.num_kv_heads, tp.shard.inter_size
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, arch.head_dim
+        self.q_size = heads * arch.head_dim
+        self.kv_size = kv_heads * arch.head_dim
+        self.inter = inter
+        hidden, qkv_rows = arch.hidden_size, self.q_size + 2 * self.kv_size
 
         def opt(shape: tuple[int, ...], present: bool) -> nn.Parameter | None:
             return _param(shape, dtype, device) if present else None
@@ -165,25 +175,43 @@ class LlamaDecoderLayer(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, k_end:].view(t, hkv, d)
         attn = backend.forward(q, k, v, self.layer_id, batch)
-        ops.add_linear_(residual, attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        self._row_parallel_add(ops, residual, attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
         x = ops.rms_norm(residual, self.post_norm, self.eps)
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)
-        ops.add_linear_(residual, ops.silu_mul(gate_up), self.down_weight, self.down_bias)
+        self._row_parallel_add(ops, residual, ops.silu_mul(gate_up), self.down_weight, self.down_bias)
+
+    def _row_parallel_add(self, ops: ModelOps, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> None:
+        """``residual += x @ W.T + bias`` with ``x``/``W`` split by columns across the ranks.
+
+        Rank 0 adds its partial product (and the bias, once) into the residual itself, the others into
+        zeros; one all-reduce then leaves ``residual + sum(partials)`` on every rank, so the fused
+        residual-add GEMM stays and no extra add is needed."""
+        if self.tp is None:
+            ops.add_linear_(residual, x, weight, bias)
+            return
+        first = self.tp.comm.is_first
+        partial = residual if first else torch.zeros_like(residual)
+        ops.add_linear_(partial, x, weight, bias if first else None)
+        self.tp.comm.all_reduce_(partial)
+        if not first:
+            residual.copy_(partial)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over the paged KV pool; subclasses only change :meth:`arch_from_config`."""
 
     def __init__(self, config: Any, attn_backend: AttentionBackend, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", ops: ModelOps | None = None):
+                 device: torch.device | str = "cpu", ops: ModelOps | None = None, tp: TPContext | None = None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ModelLoadError(f"unsupported model dtype {dtype}")
         arch = self.arch_from_config(config)
-        if attn_backend.shape != arch.attention_shape:
+        self.tp = tp
+        if attn_backend.shape != self.local_attention_shape(arch, tp):
             raise ValueError(f"attention backend shape {attn_backend.shape} does not match the model's "
-                             f"{arch.attention_shape}")
+                             f"{self.local_attention_shape(arch, tp)}")
         sliding = getattr(config, "sliding_window", None)
         if sliding and getattr(config, "use_sliding_window", True) and sliding < arch.max_positions:
             logger.warning("sliding_window=%d is not implemented: attention is full, so outputs match the "
@@ -195,11 +223,11 @@ class LlamaForCausalLM(nn.Module):
         self.device = device
         self.attn_backend = attn_backend
         self.ops: ModelOps = ops or TorchOps()
-        self.embed_tokens = _param((arch.vocab_size, arch.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers))
+        vocab = arch.vocab_size if tp is None else tp.shard.vocab_size  # vocab-parallel: this rank's rows
+        self.embed_tokens = _param((vocab, arch.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, dtype, device, tp) for i in range(arch.num_layers))
         self.norm = _param((arch.hidden_size,), dtype, device)
-        self.lm_head = None if arch.tie_word_embeddings else _param((arch.vocab_size, arch.hidden_size),
-                                                                    dtype, device)
+        self.lm_head = None if arch.tie_word_embeddings else _param((vocab, arch.hidden_size), dtype, device)
         self.rotary = RotaryCache(arch.head_dim, arch.max_positions, arch.rope, dtype, device)
         # Plain list for the hot loop: iterating a ModuleList goes through __getitem__/__iter__ machinery.
         self._layer_list: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
@@ -209,6 +237,13 @@ class LlamaForCausalLM(nn.Module):
         """Llama/SmolLM2: ``attention_bias`` puts a bias on q, k, v and o alike."""
         bias = bool(getattr(config, "attention_bias", False))
         return _common_arch(config, qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    @staticmethod
+    def local_attention_shape(arch: LlamaArch, tp: TPContext | None) -> AttentionShape:
+        """The heads this rank attends with (all of them without tensor parallelism)."""
+        if tp is None:
+            return arch.attention_shape
+        return AttentionShape(tp.shard.num_heads, tp.shard.num_kv_heads, arch.head_dim)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -220,10 +255,21 @@ class LlamaForCausalLM(nn.Module):
         if batch.attn_metadata is None:
             self.attn_backend.plan(batch)
         cos, sin = self.rotary.lookup(batch.positions, max(batch.seq_lens_cpu, default=0))
-        residual = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = self._embed(batch.input_ids)
         for layer in self._layer_list:
             layer.run(residual, cos, sin, batch, self.attn_backend, self.ops)
         return self.ops.rms_norm(residual, self.norm, self.arch.rms_norm_eps)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; vocab-parallel under TP: each rank looks up the ids in its range, zeros elsewhere,
+        and one all-reduce assembles the rows (adding zeros is exact, so the result equals a full lookup)."""
+        if self.tp is None:
+            return F.embedding(ids, self.embed_tokens)
+        v0, v1 = self.tp.shard.vocab
+        outside = (ids < v0) | (ids >= v1)
+        rows = F.embedding((ids - v0).clamp_(0, v1 - v0 - 1), self.embed_tokens)
+        rows.masked_fill_(outside.unsqueeze(1), 0.0)
+        return self.tp.comm.all_reduce_(rows)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights of every linear layer of the decoder (not the output projection)."""
@@ -241,7 +287,11 @@ class LlamaForCausalLM(nn.Module):
         Runs under ``no_grad`` rather than ``inference_mode`` so the sampler may edit the logits in place
         (penalties, masks) outside inference mode.
         """
-        return self.ops.linear(hidden, self.output_weight(), None).float()
+        logits = self.ops.linear(hidden, self.output_weight(), None).float()
+        if self.tp is None:
+            return logits
+        # vocab-parallel output projection: rank 0 gathers every rank's columns; the others keep their own
+        return self.tp.comm.gather_columns(logits, self.tp.vocab_widths)
 
     # ------------------------------------------------------------------ weights
     def weight_targets(self) -> dict[str, torch.Tensor]:
@@ -256,6 +306,14 @@ class LlamaForCausalLM(nn.Module):
             targets.update(layer.weight_targets(f"model.layers.{i}."))
         return targets
 
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full-size (tp 1) value of our parameter ``name`` (itself without TP)."""
+        if self.tp is None:
+            return full
+        a = self.arch
+        return take(full, fused_pieces(name, self.tp.shard, a.num_heads, a.num_kv_heads, a.head_dim,
+                                       a.intermediate_size))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (casting to the model dtype), splicing q/k/v and gate/up into the
@@ -269,6 +327,9 @@ class LlamaForCausalLM(nn.Module):
                 # Rotary buffers of old checkpoints; lm_head of tied checkpoints (it equals the embedding).
                 ignored.append(name)
                 continue
+            if self.tp is not None:
+                tensor = take(tensor, hf_pieces(name, self.tp.shard, self.arch.num_heads, self.arch.num_kv_heads,
+                                                self.arch.head_dim))
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dst.shape)}")

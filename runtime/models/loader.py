@@ -32,6 +32,7 @@ from runtime.models.llama import LlamaForCausalLM
 from runtime.models.ops import ModelOps
 from runtime.models.random_model import is_random_model
 from runtime.models.registry import get_model_class
+from runtime.models.tp_plan import TPContext
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +117,11 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
                attn_backend: AttentionBackend | None = None,
-               ops: ModelOps | None = None) -> tuple[LlamaForCausalLM, Any]:
+               ops: ModelOps | None = None, tp: TPContext | None = None) -> tuple[LlamaForCausalLM, Any]:
     """Build our model for the folder's architecture and load its weights; returns ``(model, hf_config)``.
 
-    ``attn_backend`` defaults to ``make_attention_backend("auto", ...)`` for ``device``; ``ops`` to plain torch.
+    ``attn_backend`` defaults to ``make_attention_backend("auto", ...)`` for ``device``; ``ops`` to plain torch;
+    ``tp`` loads only this tensor-parallel rank's shard of each weight.
     """
     folder = Path(path)
     config = load_config(folder)
@@ -129,7 +131,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     files = safetensors_files(folder)
     for file in files:
         check_safetensors(file)
-    model = cls(config, attn_backend, dtype=dtype, device=device, ops=ops)
+    model = cls(config, attn_backend, dtype=dtype, device=device, ops=ops, tp=tp)
     model.load_weights(_iter_tensors(files))
     model.eval()
     logger.info("loaded %s (%s, %d layers) from %s as %s on %s", cls.__name__, config.model_type,

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from runtime.attention.base import AttentionBackend
+from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.ops import ModelOps
+from runtime.models.tp_plan import TPContext
 
 logger = logging.getLogger(__name__)
 
@@ -89,23 +90,45 @@ def weight_bytes(config: Any, dtype: torch.dtype) -> int:
 @torch.no_grad()
 def build_random_model(config: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
                        device: torch.device | str, seed: int = 0,
-                       ops: ModelOps | None = None) -> LlamaForCausalLM:
-    """A Llama model for ``config`` with seeded random weights, allocated and drawn on ``device``."""
+                       ops: ModelOps | None = None, tp: TPContext | None = None) -> LlamaForCausalLM:
+    """A Llama model for ``config`` with seeded random weights, allocated and drawn on ``device``.
+
+    Under tensor parallelism (``tp``) every rank draws the full-size tensors in the same order as tp 1 and
+    keeps its shard, so the ranks together hold exactly the tp-1 model of the same seed."""
     device = torch.device(device)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM(config, attn_backend, dtype=dtype, device=device, ops=ops)
+    model = LlamaForCausalLM(config, attn_backend, dtype=dtype, device=device, ops=ops, tp=tp)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    for name, param in model.named_parameters():
+    targets: list[tuple[str, torch.Tensor, torch.Tensor]]
+    if tp is None:
+        targets = [(name, param, param) for name, param in model.named_parameters()]
+    else:
+        # a tp-1 twin on the meta device: the parameters' names, full shapes and order, and no memory
+        twin = LlamaForCausalLM(config, cast(Any, _ShapeOnly(model.arch.attention_shape)), dtype=dtype,
+                                device="meta")
+        local = dict(model.named_parameters())
+        targets = [(name, torch.empty(p.shape, dtype=dtype, device=device), local[name])
+                   for name, p in twin.named_parameters()]
+    for name, full, param in targets:
         if name.endswith("norm"):
-            param.fill_(1.0)
+            full.fill_(1.0)
         elif name.endswith("bias"):
-            param.zero_()
+            full.zero_()
         else:
-            param.normal_(0.0, INIT_STD, generator=gen)
+            full.normal_(0.0, INIT_STD, generator=gen)
+        if full is not param:
+            param.copy_(model.shard_of(name, full))
     model.eval()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info("built %s with random weights (%.2f GB, %s) on %s in %.1fs", config.name_or_path,
                 weight_bytes(config, dtype) / 1e9, dtype, device, time.perf_counter() - t0)
     return model
+
+
+class _ShapeOnly:
+    """Stands in for an attention backend where only its shape is read (the meta-device twin above)."""
+
+    def __init__(self, shape: AttentionShape):
+        self.shape = shape

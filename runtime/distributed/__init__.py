@@ -1,0 +1,1 @@
+"""Tensor-parallel communication: the collectives the sharded model calls (``comm``)."""
