@@ -147,6 +147,9 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     # sent with a request's first output only: how the detokenizer must render its text
     sampling: SamplingParams | None = None
+    # speculative decoding (None when it is off): draft tokens verified for the request so far, and accepted
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
 
 
 @dataclass
@@ -184,6 +187,12 @@ class SchedulerStatus:
     # ``runtime.scheduler.results.tier_report`` gives them: numbers, except a disk tier's ``directory`` (str)
     # and ``writable`` (bool).
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # speculative decoding, cumulative: requests' decode steps that verified a draft, draft tokens verified,
+    # and of those accepted (accepted / draft = acceptance rate; 1 + accepted / verifications = tokens per
+    # verifying step)
+    spec_verifications: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_private(self) -> int:

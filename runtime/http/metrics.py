@@ -57,6 +57,10 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (streaming requests)")
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens (streaming requests)")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.spec_accept_length = gauge("spec_accept_length", "Speculative decoding: tokens emitted per decode "
+                                        "step that verified a draft (1 + accepted drafts), since start")
+        self.spec_accept_rate = gauge("spec_accept_rate", "Speculative decoding: accepted / verified draft tokens, "
+                                      "since start")
         tier = ["model_name", "tier"]
         self.tier_counters: dict[str, Counter] = {
             "hit_tokens": Counter("radixserve_cache_tier_hit_tokens", "Prompt tokens of recorded cache hits, by "
@@ -101,6 +105,9 @@ class ServerMetrics:
             self.token_usage.set(status.token_usage)
             self.cache_hit_rate.set(status.cache_hit_rate)
             self.gen_throughput.set(status.decode_throughput)
+            if status.spec_verifications:
+                self.spec_accept_length.set(1 + status.spec_accepted_tokens / status.spec_verifications)
+                self.spec_accept_rate.set(status.spec_accepted_tokens / max(1, status.spec_draft_tokens))
             self._update_tiers(status.tiers)
         return generate_latest(self.registry)
 

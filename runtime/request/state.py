@@ -32,6 +32,8 @@ class RequestState:
     input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    spec_draft_tokens: int | None = None  # speculative decoding only
+    spec_accepted_tokens: int | None = None
 
     def update(self, out: ReqOutput, text: str) -> None:
         if out.new_token_ids and self.first_token_at is None:
@@ -46,6 +48,8 @@ class RequestState:
         self.input_top.extend(out.input_top_logprobs)
         self.output_logprobs.extend(out.output_logprobs)
         self.output_top.extend(out.output_top_logprobs)
+        if out.spec_draft_tokens is not None:
+            self.spec_draft_tokens, self.spec_accepted_tokens = out.spec_draft_tokens, out.spec_accepted_tokens
 
     def meta_info(self, options: RequestOptions | None = None, token_text: Any = None,
                   output_from: int = 0) -> dict[str, Any]:
@@ -63,6 +67,9 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(time.perf_counter() - self.created, 6),
         }
+        if self.spec_draft_tokens is not None:  # the server speculates: draft tokens verified, and accepted
+            meta["spec_draft_tokens"] = self.spec_draft_tokens
+            meta["spec_accepted_tokens"] = self.spec_accepted_tokens
         opts = options or RequestOptions()
         if opts.return_logprob:
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in self.input_logprobs]

@@ -69,7 +69,8 @@ class Outcome(Enum):
 @dataclass
 class PrefillPlan:
     req: Req
-    extend: int  # tokens computed this step
+    extend: int  # tokens computed this step (a decode verifying a draft: 1 + len(draft))
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the request's last one
 
     @property
     def completes(self) -> bool:

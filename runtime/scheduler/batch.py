@@ -2,7 +2,10 @@
 
 Decodes are plans with ``extend == 1``; prefill chunks have larger extends. Every plan's KV slots are
 already allocated (``req.kv_len`` counts them), so the new tokens of a plan are
-``req.tokens[kv_len - extend : kv_len]`` — except for a request that is *ahead* (overlap loop): its one
+``req.tokens[kv_len - extend : kv_len]`` — except for a decode verifying a speculative draft
+(``plan.draft``, ``runtime.scheduler.speculation``): its last real token then the draft, with a logits row at
+each of those ``1 + len(draft)`` positions (``sample_rows`` names the first) — and for a request that is
+*ahead* (overlap loop): its one
 new token is being sampled by the batch still in flight, so its row of ``input_ids`` is left 0 and named in
 ``fill_positions`` / ``fill_rows``; the worker copies the token there from its device-side next-token table
 (``runtime.executor.worker``) right before the forward.
@@ -31,7 +34,7 @@ class StepBatch:
     plans: list[PrefillPlan]
     forward: ForwardBatch
     logit_rows: torch.Tensor
-    sample_rows: dict[int, int] = field(default_factory=dict)  # plan index -> logits row
+    sample_rows: dict[int, int] = field(default_factory=dict)  # plan index -> (first) logits row sampled
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     fill_positions: list[int] = field(default_factory=list)  # input_ids rows filled on the device ...
     fill_rows: list[int] = field(default_factory=list)  # ... from the next-token table at these table rows
@@ -61,7 +64,7 @@ def build_step(plans: list[PrefillPlan], runner: ModelRunner, ahead: frozenset[i
             fill_positions.append(offset)
             fill_rows.append(req.kv.row)
         else:
-            input_ids.append(req.tokens[start:end].tolist())
+            input_ids.append(req.tokens[start : end - len(plan.draft)].tolist() + plan.draft)
         prefix_lens.append(start)
         rows.append(req.kv.row)
         token_rows.extend([req.kv.row] * plan.extend)
@@ -76,7 +79,7 @@ def build_step(plans: list[PrefillPlan], runner: ModelRunner, ahead: frozenset[i
                 logit_rows.extend(offset + p - start for p in positions)
         if end >= req.fill_len:  # (an ahead request's fill_len lags one behind: it samples too)
             sample_rows[i] = len(logit_rows)
-            logit_rows.append(offset + plan.extend - 1)
+            logit_rows.extend(range(offset + plan.extend - 1 - len(plan.draft), offset + plan.extend))
         offset += plan.extend
     table = runner.req_to_token.table
     out_cache_loc = table[torch.tensor(token_rows), torch.tensor(token_pos)]

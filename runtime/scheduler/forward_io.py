@@ -29,11 +29,13 @@ class ForwardInput:
 
     step: StepBatch
     work: WorkItem
-    sample_idx: list[int]  # plan indices sampled in this batch, in order (= rows of the sampled tokens)
+    sample_idx: list[int]  # plan indices sampled in this batch, in order
+    first_row: list[int]  # per sampled plan, its first row of the sampled tokens (a draft adds rows after it)
     num_decodes: int  # the first ``num_decodes`` plans are running requests' decodes, the rest prefills
     started: float  # perf_counter() when scheduling began
     ahead: frozenset[int] = frozenset()  # id() of requests whose input token the previous batch samples
     build_seconds: float = 0.0  # of scheduling, the time spent turning the plans into tensors
+    accepted_drafts: int = 0  # draft tokens emitted when the batch was processed (speculative decoding)
 
     @property
     def plans(self) -> list[PrefillPlan]:

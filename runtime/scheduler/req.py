@@ -12,6 +12,7 @@ from typing import Any
 from radix.base import ReqKV
 from runtime.core.messages import FinishReason, ReqOutput, RequestOptions, TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
+from runtime.speculative.adaptive import DraftLength
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Req:
     cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     finished: FinishReason | None = None
     grammar: Any = None  # a compiled grammar matcher, when the request is constrained
+    spec: DraftLength | None = None  # speculative decoding: the draft length and the request's draft figures
 
     # logprobs not yet sent (flushed into each step's ReqOutput)
     input_logprobs_done: bool = False
@@ -125,6 +127,8 @@ class Req:
             input_logprobs=self.pending_input_logprobs,
             input_top_logprobs=self.pending_input_top,
             sampling=None if self.announced else self.sampling,
+            spec_draft_tokens=self.spec.drafted if self.spec is not None else None,
+            spec_accepted_tokens=self.spec.accepted if self.spec is not None else None,
         )
         self.announced = True
         self.pending_output_logprobs, self.pending_output_top = [], []

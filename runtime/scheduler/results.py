@@ -69,6 +69,9 @@ def live_status(cache: PrefixCache, stats: SchedulerStats, num_running: int, num
         forward_seconds=stats.forward_seconds,
         finished_requests=stats.finished,
         tiers=tier_report(cs),
+        spec_verifications=stats.spec_verifications,
+        spec_draft_tokens=stats.spec_draft_tokens,
+        spec_accepted_tokens=stats.spec_accepted_tokens,
     )
 
 

@@ -7,6 +7,9 @@
 * ``process(output) -> list[ReqOutput]``: tokens are applied, stop conditions checked, finished requests
   hand their KV to the cache.
 
+With ``--speculative-algorithm ngram`` (normal loop only) a running request's decode may carry a draft that
+the same step verifies: see ``speculation.py``.
+
 ``step()`` runs one iteration of the loop in force; both are below, side by side. The normal loop does the
 three in order. The overlap loop (default on CUDA, ``--enable-overlap-schedule`` on CPU) launches batch
 N+1 *before* processing batch N, so the device never waits for the CPU's scheduling and bookkeeping:
@@ -45,6 +48,7 @@ from runtime.executor.worker import ForwardWorker, WorkItem
 from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan, never_fits
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.cache_setup import make_cache
+from runtime.scheduler.emit import emit_tokens
 from runtime.scheduler.forward_io import (
     ForwardInput,
     ForwardOutput,
@@ -56,6 +60,7 @@ from runtime.scheduler.grammar_queue import GrammarQueue
 from runtime.scheduler.policy import make_schedule_policy
 from runtime.scheduler.req import Req
 from runtime.scheduler.results import live_status, record_prompt_logprobs, status_report
+from runtime.scheduler.speculation import make_speculation, sampling_layout
 from runtime.scheduler.stats import SchedulerStats
 from runtime.scheduler.stop import StopChecker
 
@@ -88,11 +93,13 @@ class Scheduler:
         self._inflight: ForwardOutput | None = None  # overlap loop: the batch launched and not yet processed
         self._ahead: frozenset[int] = frozenset()  # id() of requests whose input token is still being sampled
         self.worker = ForwardWorker(runner, self.sampler, threaded=self.overlap)
+        self.spec = make_speculation(args, self.overlap)
         weakref.finalize(self, self.worker.close)  # the worker thread ends with its scheduler
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
         req = Req.from_message(msg, seed=self.rng.getrandbits(63), eos_ids=self.eos_ids)
+        req.spec = self.spec.new_state() if self.spec is not None else None
         # a guard for a direct submit (tests, tools): the APIs' intake refuses these before they are sent
         error = never_fits(len(req.input_ids), self.runner.context_length, self.runner.allocator.capacity)
         if error:
@@ -146,6 +153,8 @@ class Scheduler:
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, req.tokens[: req.kv_len])
             req.kv = None
+        if self.spec is not None:
+            self.spec.remember(req)
         self.stats.finished += 1
 
     def pop_outputs(self) -> list[ReqOutput]:
@@ -227,7 +236,8 @@ class Scheduler:
         self.worker.close()
 
     def _record(self, inp: ForwardInput) -> None:
-        self.stats.record_step(inp.num_decodes, inp.prefill_tokens, time.perf_counter() - inp.started)
+        seconds = time.perf_counter() - inp.started
+        self.stats.record_step(inp.num_decodes + inp.accepted_drafts, inp.prefill_tokens, seconds)
         self._log_step(inp.prefills, inp.num_decodes)
 
     # ------------------------------------------------------------------ 1. schedule
@@ -240,8 +250,10 @@ class Scheduler:
         for plan in plans:
             assert plan.req.kv is not None
             self.cache.alloc_tokens(plan.req.kv, 1)
+        if self.spec is not None:
+            self.spec.add_drafts(plans, self.cache, self.runner.context_length)
         num_decodes = len(plans)
-        plans += self._admit(num_decodes)
+        plans += self._admit(sum(p.extend for p in plans))
         if not plans:
             return None
         ahead = self._ahead
@@ -249,14 +261,13 @@ class Scheduler:
         step = build_step(plans, self.runner, ahead)
         sample_idx = [i for i in step.sample_rows
                       if plans[i].req.remaining_new_tokens() - (id(plans[i].req) in ahead) > 0]
-        reqs = [plans[i].req for i in sample_idx]
+        rows, pending, picks, table_rows, first = sampling_layout(plans, sample_idx, step.sample_rows, ahead)
         if self.overlap:  # run on the worker thread while this thread keeps changing the table
             snapshot_table(step.forward)
-        sampling = self.sampler.prepare(reqs, [id(r) in ahead for r in reqs])  # a snapshot, in both loops
-        work = WorkItem(step.forward, step.logit_rows, [step.sample_rows[i] for i in sample_idx], sampling,
-                        [r.kv.row for r in reqs if r.kv is not None], step.fill_positions, step.fill_rows,
-                        all_logits=bool(step.prompt_rows))
-        return ForwardInput(step, work, sample_idx, num_decodes, t0, ahead, time.perf_counter() - t_build)
+        sampling = self.sampler.prepare(rows, pending)  # a snapshot, in both loops
+        work = WorkItem(step.forward, step.logit_rows, picks, sampling, table_rows, step.fill_positions,
+                        step.fill_rows, all_logits=bool(step.prompt_rows))
+        return ForwardInput(step, work, sample_idx, first, num_decodes, t0, ahead, time.perf_counter() - t_build)
 
     def _make_decode_room(self) -> None:
         """Retract running requests until every remaining one can get its next token's slot."""
@@ -277,9 +288,9 @@ class Scheduler:
             logger.warning("KV memory is short: retracted request %s (%d tokens); it will resume later",
                            victim.rid, victim.fill_len)
 
-    def _admit(self, num_decodes: int) -> list[PrefillPlan]:
+    def _admit(self, decode_tokens: int) -> list[PrefillPlan]:
         chunk = self.args.chunk_size
-        budget = max(chunk - num_decodes, self.cache.page_size) if chunk else self.args.max_prefill_tokens
+        budget = max(chunk - decode_tokens, self.cache.page_size) if chunk else self.args.max_prefill_tokens
         budget = min(budget, self.args.max_prefill_tokens)
         reserved = sum(self.ratio.reserve(r) for r in self.running)
         adder = PrefillAdder(self.cache, budget, reserved, self.ratio, chunk,
@@ -309,7 +320,7 @@ class Scheduler:
         plans = inp.plans
         live = {i for i, p in enumerate(plans) if p.req.finished is None}
         self.stats.discarded_rows += len(plans) - len(live)
-        drawn = {i: k for k, i in enumerate(inp.sample_idx) if i in live}
+        drawn = {i: inp.first_row[k] for k, i in enumerate(inp.sample_idx) if i in live}
         assert sorted(drawn) == [i for i in sorted(inp.step.sample_rows) if i in live
                                  and plans[i].req.remaining_new_tokens() > 0], "sampled rows disagree"
         record_prompt_logprobs(inp.step, result.logits, self.sampler, live)
@@ -331,20 +342,10 @@ class Scheduler:
             req.input_logprobs_done = True
             finish: FinishReason | None
             if i in drawn and sampled is not None:
-                k = drawn[i]
-                token = sampled.token_ids[k]
-                req.append_token(token)
-                if req.grammar is not None and not req.grammar.accept_token(token):
-                    self._finish(req, FinishReason("abort", message=f"token {token} violates the grammar",
-                                                   cause=AbortCause.ERROR))
-                    outputs.append(req.take_output())
-                    continue
-                if req.return_logprob:
-                    lp = sampled.logprobs[k]
-                    req.pending_output_logprobs.append((float(lp) if lp is not None else 0.0, token))
-                    if req.top_logprobs_num:
-                        req.pending_output_top.append(sampled.top_logprobs[k] or [])
-                finish = self.stop.check(req)
+                draft = plans[i].draft
+                finish, emitted = emit_tokens(req, sampled, drawn[i], draft, self.stop)
+                if draft and self.spec is not None:  # the rejected positions' KV is freed now
+                    inp.accepted_drafts += self.spec.settle(req, len(draft), emitted - 1, self.cache, self.stats)
             else:
                 finish = FinishReason("length", length=len(req.output_ids))
             if finish is not None:
@@ -365,6 +366,8 @@ class Scheduler:
         if not self.idle:
             return False
         self.cache.reset()
+        if self.spec is not None:
+            self.spec.clear()
         return True
 
     def check_integrity(self) -> dict[str, int]:

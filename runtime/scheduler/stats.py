@@ -19,6 +19,9 @@ class SchedulerStats:
     max_step_prefill_tokens: int = 0  # most prompt tokens computed by one step
     lockstep_steps: int = 0  # overlap loop: steps that processed the batch in flight before scheduling
     discarded_rows: int = 0  # overlap loop: rows computed for requests that had finished one step earlier
+    spec_verifications: int = 0  # speculative decoding: request decode steps that verified a draft
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted (emitted as the model's own)
     # (time, decode tokens) of recent steps, for a moving throughput figure
     _recent: deque = field(default_factory=lambda: deque(maxlen=64))
     # (batch size, seconds) of recent decode-only steps: the per-step cost benchmarks report
@@ -53,4 +56,25 @@ class SchedulerStats:
             "lockstep_steps": self.lockstep_steps,
             "discarded_rows": self.discarded_rows,
             "decode_tokens_per_s": round(self.decode_throughput(), 2),
+            "spec_verifications": self.spec_verifications,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accept_rate": round(self.spec_accept_rate, 4),
+            "spec_accept_length": round(self.spec_accept_length, 4),
         }
+
+    def record_verification(self, drafted: int, accepted: int) -> None:
+        self.spec_verifications += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Accepted / verified draft tokens (0 before any draft)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens emitted per decode step that verified a draft (1 + accepted drafts; 0 before any)."""
+        v = self.spec_verifications
+        return 1 + self.spec_accepted_tokens / v if v else 0.0

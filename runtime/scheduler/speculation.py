@@ -1,0 +1,151 @@
+"""Speculative decoding in the scheduler's step (``--speculative-algorithm ngram``, ``runtime.speculative``).
+
+One way through the code: a decode is a plan of one new token; with a draft it is a plan of ``1 + k``.
+
+* schedule: once every running request holds the slot of its next token (retracting if memory is short),
+  :meth:`Speculation.add_drafts` asks the drafter for up to K tokens per eligible request (fewer while its
+  drafts are rejected: ``runtime.speculative.adaptive``) and allocates their KV slots as private slots of
+  the request, only from memory that is available (free or evictable) — a draft never retracts anyone;
+* the batch: the plan's input is the last real token and the draft, with a logits row at each position
+  (``batch.py``); :func:`sampling_layout` gives each of those rows the request's sampling row at that output
+  position (``runtime.speculative.verify``);
+* process: ``emit.emit_tokens`` emits the sampled tokens while the draft agreed, checking grammar, stop
+  conditions and length after each as any decode does (a stop inside an accepted run drops the rest); then
+  :meth:`Speculation.settle` frees the slots of the rejected positions at once: the request keeps KV for every
+  token but its last (``kv_len = len(tokens) - 1``, as after any decode), the pages wholly past that go back
+  to the allocator, and the unused tail of the last page stays the request's, as the allocator's page rule
+  has it. So between steps no request holds a draft slot, and the KV invariant holds as without speculation;
+  during a step the draft slots are counted as the request's private slots.
+
+Who drafts: every decoding request but grammar-constrained ones (their matcher would have to advance through
+each draft token and roll back on rejection; they decode one token per step as before). Penalties,
+``min_new_tokens``, logit bias, logprobs and seeded sampling are handled per position by the verify rows.
+
+The overlap loop builds step N+1 before N's tokens are known, so a request there has no last token to draft
+from; speculation is off with it (a start-up log line says so).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from radix.base import PrefixCache, ReqKV
+from runtime.config import ServerArgs
+from runtime.executor.sampling_batch import SamplingRow
+from runtime.scheduler.admission import PrefillPlan
+from runtime.scheduler.req import Req
+from runtime.scheduler.stats import SchedulerStats
+from runtime.speculative.adaptive import DraftLength
+from runtime.speculative.ngram import NgramConfig, NgramDrafter
+from runtime.speculative.verify import verify_rows
+
+logger = logging.getLogger(__name__)
+
+
+def make_speculation(args: ServerArgs, overlap: bool) -> Speculation | None:
+    """The speculation of ``args`` (None: off)."""
+    if args.speculative_algorithm is None:
+        return None
+    if overlap:
+        logger.warning("speculative decoding (--speculative-algorithm %s) is off: the overlap schedule does not "
+                       "support it yet; add --disable-overlap-schedule to use it", args.speculative_algorithm)
+        return None
+    cfg = NgramConfig(num_draft_tokens=args.speculative_num_draft_tokens,
+                      min_match=args.speculative_ngram_min_match_window_size,
+                      max_match=args.speculative_ngram_max_match_window_size,
+                      capacity=args.speculative_ngram_capacity)
+    logger.info("speculative decoding: ngram drafts of up to %d tokens (match window %d..%d, store of %d tokens)",
+                cfg.num_draft_tokens, cfg.min_match, cfg.max_match, cfg.capacity)
+    step_tokens = min(args.chunk_size or args.max_prefill_tokens, args.max_prefill_tokens)
+    return Speculation(cfg, max(1, step_tokens // 2))  # half a step's token budget at most
+
+
+class Speculation:
+    def __init__(self, cfg: NgramConfig, max_step_tokens: int):
+        self.cfg = cfg
+        self.max_step_tokens = max_step_tokens  # most draft tokens in one step
+        self.drafter = NgramDrafter(cfg)
+
+    def new_state(self) -> DraftLength:
+        return DraftLength(self.cfg.num_draft_tokens)
+
+    def add_drafts(self, plans: Sequence[PrefillPlan], cache: PrefixCache, context_length: int) -> None:
+        """Give the decode ``plans`` (each holding its next token's slot) their drafts and the drafts' slots, at
+        most ``max_step_tokens`` draft tokens in all (drafts count against the step's token budget and must not
+        crowd waiting prompts out of it)."""
+        alloc = cache.allocator
+        budget = self.max_step_tokens
+        for plan in plans:
+            if budget <= 0:
+                return
+            req = plan.req
+            if req.spec is None or req.grammar is not None or req.kv is None:
+                continue
+            # never past max_new_tokens or the context: every emitted token must be one the request may emit
+            room = min(req.remaining_new_tokens(), context_length - len(req.tokens)) - 1
+            k = min(req.spec.want(), room, budget)
+            if k <= 0:
+                continue
+            draft = self.drafter.propose(req.tokens, req.options.cache_namespace, k)
+            if not draft:
+                continue
+            kv = req.kv
+            need = (alloc.pages_for(kv.kv_len + len(draft)) - alloc.pages_for(kv.kv_len)) * cache.page_size
+            if need > cache.available_size:
+                continue
+            cache.alloc_tokens(kv, len(draft))
+            plan.extend += len(draft)
+            plan.draft = draft
+            budget -= len(draft)
+
+    def settle(self, req: Req, drafted: int, accepted: int, cache: PrefixCache, stats: SchedulerStats) -> int:
+        """After ``req`` verified a draft of ``drafted`` tokens and emitted ``accepted`` of them (plus the
+        model's own token): record it, adapt the draft length, free the rejected positions' KV. Returns
+        ``accepted``."""
+        assert req.spec is not None and req.kv is not None
+        req.spec.update(drafted, accepted)
+        stats.record_verification(drafted, accepted)
+        release_tail(cache, req.kv, len(req.tokens) - 1)
+        return accepted
+
+    def remember(self, req: Req) -> None:
+        """A finished request's tokens become draft material (in its cache namespace). Its cached prefix came
+        from earlier requests, already remembered (multi-turn chats and agent loops resend their transcript),
+        so only the tokens from shortly before it are indexed again."""
+        start = max(0, req.cached_tokens - self.cfg.max_match)
+        self.drafter.remember(req.tokens[start:], req.options.cache_namespace)
+
+    def clear(self) -> None:
+        self.drafter.clear()
+
+
+def release_tail(cache: PrefixCache, state: ReqKV, new_len: int) -> None:
+    """Shrink a request's KV to its first ``new_len`` positions: the pages wholly past them are freed, a
+    partly used last page stays the request's (its stale tail is overwritten by the next allocation)."""
+    assert state.protected_len <= new_len <= state.kv_len, (state, new_len)
+    keep = cache.allocator.pages_for(new_len) * cache.page_size
+    if state.kv_len > keep:
+        cache.allocator.free(cache.req_to_token.read(state.row, keep, state.kv_len))
+    state.kv_len = new_len
+
+
+def sampling_layout(plans: Sequence[PrefillPlan], sample_idx: Sequence[int], sample_rows: dict[int, int],
+                    ahead: frozenset[int]) -> tuple[list[SamplingRow], list[bool], list[int], list[int], list[int]]:
+    """The sampled rows of a batch: per row its sampling row, whether its previous token is still being sampled
+    (overlap loop), its logits row and its request-table row; and per sampled plan its first row (a plan
+    verifying a draft of k tokens has k + 1 consecutive rows)."""
+    rows: list[SamplingRow] = []
+    pending: list[bool] = []
+    picks: list[int] = []
+    table_rows: list[int] = []
+    first: list[int] = []
+    for i in sample_idx:
+        req, draft = plans[i].req, plans[i].draft
+        assert req.kv is not None
+        first.append(len(picks))
+        rows += verify_rows(req, draft) if draft else [req]
+        pending += [id(req) in ahead] * (len(draft) + 1)
+        picks += range(sample_rows[i], sample_rows[i] + len(draft) + 1)
+        table_rows += [req.kv.row] * (len(draft) + 1)
+    return rows, pending, picks, table_rows, first

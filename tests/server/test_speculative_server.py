@@ -1,0 +1,60 @@
+"""Speculative decoding through a real server: /generate's meta_info carries each request's draft figures,
+/get_server_info the scheduler's, /metrics the acceptance gauges; the outputs equal those without speculation
+(an in-process Engine's), and the KV books balance."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_harness import ServerProcess, assert_kv_clean
+
+ARGS = ["--max-total-tokens", "8192", "--num-threads", "1", "--dtype", "float32"]
+
+
+def generate(url: str, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def spec_gauges(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("radixserve_spec_")}
+
+
+def test_server_reports_speculation_and_outputs_are_unchanged(tiny_model_dir: Path):
+    ids = list(range(400, 430)) * 3
+    spec = ServerProcess(str(tiny_model_dir), [*ARGS, "--speculative-algorithm", "ngram",
+                                               "--speculative-num-draft-tokens", "6"]).start()
+    try:
+        first, second = generate(spec.url, ids), generate(spec.url, ids)  # the second drafts from the first
+        meta = second["meta_info"]
+        assert meta["spec_accepted_tokens"] > 0 and meta["spec_draft_tokens"] >= meta["spec_accepted_tokens"]
+        assert first["output_ids"] == second["output_ids"]
+        stats = httpx.get(spec.url + "/get_server_info", timeout=30).json()["scheduler"]
+        assert stats["spec_accepted_tokens"] >= meta["spec_accepted_tokens"]
+        assert 0 < stats["spec_accept_rate"] <= 1 and stats["spec_accept_length"] > 1
+        deadline = time.time() + 10  # the status behind /metrics is pushed twice a second
+        while True:
+            gauges = spec_gauges(spec.url)
+            if abs(gauges["radixserve_spec_accept_rate"] - stats["spec_accept_rate"]) < 1e-3:
+                break
+            assert time.time() < deadline, (gauges, stats)
+            time.sleep(0.1)
+        assert abs(gauges["radixserve_spec_accept_length"] - stats["spec_accept_length"]) < 1e-3
+        assert_kv_clean(spec.url)
+    finally:
+        assert spec.stop() == 0, spec.log()
+    from runtime.engine import Engine
+
+    with Engine(model=str(tiny_model_dir), max_total_tokens=8192, dtype="float32", log_level="warning") as plain:
+        ref = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, "temperature": 0,
+                                                             "ignore_eos": True})
+    assert ref["output_ids"] == first["output_ids"]
+    assert "spec_draft_tokens" not in ref["meta_info"]
