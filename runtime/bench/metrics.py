@@ -83,6 +83,7 @@ def summarize(run: RunResult, system: str, optimum: OptimumResult | None = None,
         "hit_rate": hit_rate,
         "server_hit_rate": server_hit_rate(run),
         "server_tiers": server_tiers(run),
+        "speculation": server_speculation(run),
         "optimum_hit_rate": optimum.rate if optimum is not None and optimum.prompt_tokens else None,
         "optimum_prompt_tokens": optimum.prompt_tokens if optimum is not None else None,
         "prompt_token_mismatches": prompt_mismatches,
@@ -130,6 +131,22 @@ def server_tiers(run: RunResult) -> dict[str, dict[str, float | None]] | None:
     return out
 
 
+def server_speculation(run: RunResult) -> dict[str, float] | None:
+    """What speculative decoding did during the run, from radixserve's scheduler counters before and after:
+    verifying steps, draft tokens, accepted tokens, the acceptance rate (accepted / drafted) and the tokens
+    emitted per verifying step. None where the server reports no such counters or drafted nothing."""
+    if run.server_before is None or run.server_after is None:
+        return None
+    b, a = run.server_before.get("scheduler") or {}, run.server_after.get("scheduler") or {}
+    grown = {k: a.get(k, 0) - b.get(k, 0) for k in ("spec_verifications", "spec_draft_tokens", "spec_accepted_tokens")}
+    if grown["spec_draft_tokens"] <= 0:
+        return None
+    return {"verifications": grown["spec_verifications"], "draft_tokens": grown["spec_draft_tokens"],
+            "accepted_tokens": grown["spec_accepted_tokens"],
+            "accept_rate": grown["spec_accepted_tokens"] / grown["spec_draft_tokens"],
+            "accept_length": 1 + grown["spec_accepted_tokens"] / max(1, grown["spec_verifications"])}
+
+
 def format_tiers(tiers: dict[str, dict[str, Any]]) -> list[str]:
     """One summary line per memory tier: hit tokens and share, loads and their mean wait, bytes each way."""
     lines = []
@@ -169,6 +186,11 @@ def format_summary(s: dict[str, Any]) -> str:
     lines.append(hit)
     if s.get("server_tiers") and len(s["server_tiers"]) > 1:  # the device alone says nothing new
         lines += format_tiers(s["server_tiers"])
+    spec = s.get("speculation")
+    if spec:
+        lines.append(f"   speculation: {int(spec['accepted_tokens'])} of {int(spec['draft_tokens'])} draft tokens "
+                     f"accepted ({100 * spec['accept_rate']:.1f}%), "
+                     f"{spec['accept_length']:.2f} tokens per verifying step")
     if s.get("prompt_token_mismatches"):
         lines.append(f"   note: {s['prompt_token_mismatches']} prompts tokenize differently from the server's "
                      "usage figure; the optimum is approximate")

@@ -3,7 +3,6 @@ and freeing the KV of rejected positions under the allocator's page rule."""
 
 from __future__ import annotations
 
-import time
 from array import array
 
 import pytest
@@ -69,20 +68,19 @@ def test_store_capacity_drops_the_oldest_sequences_and_their_index():
     assert d.propose(toks(0, 8, 9), None, 2) == [10, 11]
 
 
-def test_drafting_costs_well_under_a_millisecond():
-    """A 4,000-token request and a store of 200 finished 1,000-token sequences (figures for the report; the
-    bound is loose so a loaded machine does not fail it)."""
+def test_a_large_store_still_drafts_the_continuation_it_holds():
+    """A store of 200 finished 1,000-token sequences (what a proposal costs against it is measured by
+    benchmarks/bench_speculative.py): a request ending in a suffix that one stored sequence holds gets that
+    sequence's continuation, and a suffix found nowhere gets no draft."""
     g = torch.Generator().manual_seed(0)
     d = NgramDrafter(NgramConfig(capacity=1 << 20))
-    for _ in range(200):
-        d.remember(array("i", torch.randint(0, 500, (1000,), generator=g).tolist()), None)
-    mine = array("i", torch.randint(0, 500, (4000,), generator=g).tolist())
-    t = time.perf_counter()
-    for i in range(200):
-        mine[-1] = i  # a different suffix each time
-        d.propose(mine, None, 4)
-    per_call = (time.perf_counter() - t) / 200
-    assert per_call < 5e-3, per_call
+    seqs = [array("i", torch.randint(0, 500, (1000,), generator=g).tolist()) for _ in range(200)]
+    for seq in seqs:
+        d.remember(seq, None)
+    target = seqs[123]
+    mine = array("i", [600, 601, 602, *target[400:408]])  # 8 tokens that sequence 123 continues with 408..
+    assert list(d.propose(mine, None, 4)) == list(target[408:412])
+    assert not d.propose(array("i", [700, 701, 702, 703]), None, 4)  # tokens no sequence holds
 
 
 def test_adaptive_length_backs_off_and_recovers():
