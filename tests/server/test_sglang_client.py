@@ -163,9 +163,12 @@ def test_fork_dtype_regex_and_stop_regex(sgl: ModuleType, tiny: Any, tiny_server
 
 
 def test_streaming_equals_the_whole_answer(sgl: ModuleType, tiny: Any) -> None:
+    # A stream frame carries whatever text is new when the HTTP side gets to it, so a client that falls behind
+    # receives several tokens in one frame; 24 tokens of the tiny model once arrived as a single frame on a
+    # loaded machine. 160 tokens take long enough that a single frame would mean no streaming at all.
     @sgl.function
     def prog(s: Any) -> None:
-        s += "Tell me a story:" + sgl.gen("story", max_tokens=24, temperature=0, ignore_eos=True)
+        s += "Tell me a story:" + sgl.gen("story", max_tokens=160, temperature=0, ignore_eos=True)
 
     whole = prog.run()["story"]
     state = prog.run(stream=True)
