@@ -257,6 +257,13 @@ class ServerArgs:
         if self.attention_backend == "invariant" and not self.enable_deterministic_inference:
             need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
 
+    def overlap_schedule(self, device_type: str) -> bool:
+        """Which loop runs on ``device_type``: overlap by default on CUDA; on CPU only with
+        ``--enable-overlap-schedule``; never with ``--disable-overlap-schedule``."""
+        if self.disable_overlap_schedule:
+            return False
+        return device_type == "cuda" or self.enable_overlap_schedule
+
     def public_dict(self) -> dict[str, Any]:
         """The settings as /get_server_info reports them: every field, secrets masked."""
         out = dataclasses.asdict(self)
