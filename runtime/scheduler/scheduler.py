@@ -7,8 +7,8 @@
 * ``process(output) -> list[ReqOutput]``: tokens are applied, stop conditions checked, finished requests
   hand their KV to the cache.
 
-With ``--speculative-algorithm ngram`` (normal loop only) a running request's decode may carry a draft that
-the same step verifies: see ``speculation.py``.
+With ``--speculative-algorithm ngram|draft`` (normal loop only) a running request's decode may carry a draft
+that the same step verifies: see ``speculation.py``.
 
 ``step()`` runs one iteration of the loop in force; both are below, side by side. The normal loop does the
 three in order. The overlap loop (default on CUDA, ``--enable-overlap-schedule`` on CPU) launches batch

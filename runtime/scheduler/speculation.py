@@ -1,10 +1,10 @@
-"""Speculative decoding in the scheduler's step (``--speculative-algorithm ngram``, ``runtime.speculative``).
+"""Speculative decoding in the scheduler's step (``--speculative-algorithm ngram|draft``, ``runtime.speculative``).
 
 One way through the code: a decode is a plan of one new token; with a draft it is a plan of ``1 + k``.
 
 * schedule: once every running request holds the slot of its next token (retracting if memory is short),
-  :meth:`Speculation.add_drafts` asks the drafter (``runtime.speculative.drafter``: the class :data:`DRAFTERS`
-  names for the algorithm) for up to K tokens per eligible request (fewer while
+  :meth:`Speculation.add_drafts` asks the drafter (``runtime.speculative.drafter``: n-gram drafts or a draft
+  model, the class :data:`DRAFTERS` names for the algorithm) for up to K tokens per eligible request (fewer while
   its drafts are rejected: ``runtime.speculative.adaptive``); the drafter takes their KV slots through
   :class:`StepSlots`, as private slots of the request, only from memory that is available (free or evictable)
   — a draft never retracts anyone;
@@ -25,7 +25,7 @@ each draft token and roll back on rejection; they decode one token per step as b
 ``min_new_tokens``, logit bias, logprobs and seeded sampling are handled per position by the verify rows.
 
 The overlap loop builds step N+1 before N's tokens are known, so a request there has no last token to draft
-from; speculation is off with it (a start-up log line says so).
+from; speculation is off with it (a start-up log line says so, and no draft model is loaded).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from runtime.scheduler.req import Req
 from runtime.scheduler.stats import SchedulerStats
 from runtime.speculative.adaptive import DraftLength
 from runtime.speculative.drafter import Drafter, DraftJob
+from runtime.speculative.model_drafter import ModelDrafter
 from runtime.speculative.ngram import NgramConfig, NgramDrafter
 from runtime.speculative.verify import verify_rows
 
@@ -58,9 +59,19 @@ def ngram_drafter(args: ServerArgs, runner: ModelRunner | None) -> Drafter:
     return NgramDrafter(cfg)
 
 
+def model_drafter(args: ServerArgs, runner: ModelRunner | None) -> Drafter:
+    if runner is None or runner.draft is None:
+        raise ValueError("speculative_algorithm: draft needs the model runner to hold the draft model "
+                         "(--speculative-draft-model)")
+    logger.info("speculative decoding: drafts of up to %d tokens from the draft model %s",
+                args.speculative_num_draft_tokens, runner.draft.name)
+    return ModelDrafter(runner.draft)
+
+
 # --speculative-algorithm -> its drafter: every method is a class behind runtime.speculative.drafter.Drafter
 DRAFTERS: dict[str, Callable[[ServerArgs, ModelRunner | None], Drafter]] = {
     "ngram": ngram_drafter,
+    "draft": model_drafter,
 }
 
 

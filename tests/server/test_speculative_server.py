@@ -1,6 +1,6 @@
-"""Speculative decoding through a real server: /generate's meta_info carries each request's draft figures,
-/get_server_info the scheduler's, /metrics the acceptance gauges; the outputs equal those without speculation
-(an in-process Engine's), and the KV books balance."""
+"""Speculative decoding through a real server (n-gram drafts and a draft model): /generate's meta_info carries
+each request's draft figures, /get_server_info the scheduler's, /metrics the acceptance gauges; the outputs equal
+those without speculation (an in-process Engine's), and the KV books balance."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_harness import ServerProcess, assert_kv_clean
@@ -28,10 +29,15 @@ def spec_gauges(url: str) -> dict[str, float]:
             if s.name.startswith("radixserve_spec_")}
 
 
-def test_server_reports_speculation_and_outputs_are_unchanged(tiny_model_dir: Path):
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_server_reports_speculation_and_outputs_are_unchanged(tiny_model_dir: Path, algorithm: str):
+    """ngram drafts from the first request's output; the draft model (here the served model itself, so nearly
+    every draft is accepted) drafts from the start."""
     ids = list(range(400, 430)) * 3
-    spec = ServerProcess(str(tiny_model_dir), [*ARGS, "--speculative-algorithm", "ngram",
-                                               "--speculative-num-draft-tokens", "6"]).start()
+    flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "6"]
+    if algorithm == "draft":
+        flags += ["--speculative-draft-model", str(tiny_model_dir)]
+    spec = ServerProcess(str(tiny_model_dir), [*ARGS, *flags]).start()
     try:
         first, second = generate(spec.url, ids), generate(spec.url, ids)  # the second drafts from the first
         meta = second["meta_info"]
