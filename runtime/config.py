@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -152,11 +153,19 @@ class ServerArgs:
 
     # ---------------------------------------------------------------- speculative decoding
     speculative_algorithm: str | None = _opt(
-        None, "Speculative decoding: ngram = each running request drafts up to --speculative-num-draft-tokens next "
-        "tokens by matching its last tokens against its own prompt and output and against the requests this "
-        "server finished (same cache namespace), and the model verifies them in one forward; outputs are the "
-        "same as without (greedy and seeded sampling). Normal (lockstep) loop only: the overlap loop runs "
-        "without speculation (default: off).", ("ngram",))
+        None, "Speculative decoding: each running request drafts up to --speculative-num-draft-tokens next tokens "
+        "and the model verifies them in one forward; outputs are the same as without (greedy and seeded "
+        "sampling). ngram = drafts copied from where the request's last tokens occurred before (its own prompt "
+        "and output, the requests this server finished in the same cache namespace); draft = drafts from a "
+        "smaller model with the same vocabulary (--speculative-draft-model), which keeps its own KV for every "
+        "slot of the KV pool. Normal (lockstep) loop only: the overlap loop runs without speculation "
+        "(default: off).", ("ngram", "draft"))
+    speculative_draft_model: str | None = _opt(
+        None, "The draft model of --speculative-algorithm draft: a local Hugging Face folder, a .gguf file or "
+        "random:NAME, with the served model's vocabulary (refused otherwise). It runs greedily on the same "
+        "device and dtype, and its KV pool has a slot for every slot of the served model's (its memory is "
+        "taken from the same budget). Alias --speculative-draft-model-path.",
+        aliases=("--speculative-draft-model-path",))
     speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request verifies per step (K); each request "
                                              "drafts fewer while its drafts are rejected.")
     speculative_ngram_min_match_window_size: int = _opt(
@@ -239,6 +248,7 @@ class ServerArgs:
         need(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
              "speculative_ngram_min_match_window_size", "must be >= 1 and <= the max match window size")
         need(self.speculative_ngram_capacity >= 0, "speculative_ngram_capacity", "must be >= 0")
+        self._validate_draft_model(need)
         if self.enable_deterministic_inference:
             name = "enable_deterministic_inference"
             need(self.device in ("auto", "cpu"), name,
@@ -256,6 +266,31 @@ class ServerArgs:
                  f"{aten_cpu_capability()}); use --dtype float32")
         if self.attention_backend == "invariant" and not self.enable_deterministic_inference:
             need(False, "attention_backend", "'invariant' comes with --enable-deterministic-inference")
+
+    def _validate_draft_model(self, need: Callable[[bool, str, str], None]) -> None:
+        """What --speculative-algorithm draft cannot run with, refused before anything loads."""
+        if self.speculative_algorithm != "draft":
+            need(self.speculative_draft_model is None, "speculative_draft_model",
+                 "is the draft model of --speculative-algorithm draft; add that flag or drop this one")
+            return
+        need(bool(self.speculative_draft_model), "speculative_draft_model",
+             "--speculative-algorithm draft needs --speculative-draft-model PATH (a smaller model with the same "
+             "vocabulary)")
+        # the draft model and its KV live on one device beside rank 0's shard; the other ranks have no draft
+        need(self.tp_size == 1, "speculative_algorithm",
+             "draft is not supported with tensor parallelism (--tp-size > 1) yet; use --tp-size 1 or ngram")
+        # a prefix loaded back from the host or disk tier restores the served model's KV only: the draft
+        # model would read stale KV in those slots
+        need(not self.enable_hierarchical_cache, "speculative_algorithm",
+             "draft cannot run with --enable-hierarchical-cache: prefixes loaded back from the host or disk tier "
+             "come without the draft model's KV; drop one of the two")
+
+    def overlap_schedule(self, device_type: str) -> bool:
+        """Which loop runs on ``device_type``: overlap by default on CUDA; on CPU only with
+        ``--enable-overlap-schedule``; never with ``--disable-overlap-schedule``."""
+        if self.disable_overlap_schedule:
+            return False
+        return device_type == "cuda" or self.enable_overlap_schedule
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as /get_server_info reports them: every field, secrets masked."""

@@ -32,11 +32,16 @@ class ModelSource:
 
 
 def model_source(args: ServerArgs) -> ModelSource:
-    if is_random_model(args.model):
+    return source_of(args.model)
+
+
+def source_of(model: str) -> ModelSource:
+    """Where the model named ``model`` (any ``--model`` value) comes from."""
+    if is_random_model(model):
         # No files: the config is a preset, the weights are drawn on the device; the tokenizer (and so the
         # generation config read next to it) is the default model's.
-        return ModelSource(resolve_model_path("default"), random_model_config(args.model), True)
-    path = resolve_model_path(args.model)
+        return ModelSource(resolve_model_path("default"), random_model_config(model), True)
+    path = resolve_model_path(model)
     return ModelSource(path, load_config(path), False)
 
 

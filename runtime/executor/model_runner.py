@@ -13,6 +13,10 @@ With ``--tp-size N > 1`` this runner is rank 0 of N (``tp_ranks``): it starts ra
 splits the CPU threads between them, holds its own shard of the weights and of every KV page, and each step
 broadcasts the batch before running its shard; the logits come back whole to rank 0 only. The allocator,
 the request table and the radix tree stay here, so the scheduler never knows that the model is split.
+
+With ``--speculative-algorithm draft`` it also holds the draft model (``draft_model``), loaded first (a draft
+whose vocabulary differs fails before the served weights load), with KV for every slot of the pool: the pool is
+sized so that both storages fit the budget, and every forward here runs through the draft model too.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from runtime.config import ServerArgs, default_num_threads
 from runtime.core.forward_batch import ForwardBatch
 from runtime.distributed.comm import TPComm
 from runtime.executor.cuda_graph import CudaGraphRunner, capture_batch_sizes, graph_memory_reserve
+from runtime.executor.draft_model import DraftModel, load_draft
 from runtime.executor.model_build import build_model, kv_shape, model_source, tp_shards
 from runtime.executor.tp_ranks import MemorySpec, RankFailure, RankGroup, rank_device
 from runtime.executor.tp_step import send_step, send_stop
@@ -76,7 +81,9 @@ class ModelRunner:
             self.ranks = RankGroup(args, args.tp_size, torch.device(args.device), threads)
             self._tp_lock = threading.Lock()  # one step's collectives at a time (overlap runs on a thread)
             weakref.finalize(self, _stop_ranks, self.ranks, self.tp.comm, self.device, self._tp_lock)
+        self.draft: DraftModel | None = None
         try:
+            self.draft = load_draft(args, self.hf_config, self.device)
             self.model, self.attn_backend = build_model(args, source, self.device, self.tp)
             ctx: Any = args.context_length or getattr(self.hf_config, "max_position_embeddings", 4096)
             self.context_length = int(ctx)
@@ -117,12 +124,17 @@ class ModelRunner:
         else:
             free = max(0, self._memory_available() - reserve_bytes)
             budget = int(free * (args.mem_fraction_static or 0.2) * self._kv_budget_share(shape))
+            if self.draft is not None:  # the draft's KV has a slot for each of ours: the budget pays for both
+                per_token = shape.bytes_per_token
+                budget = budget * per_token // (per_token + self.draft.kv_shape.bytes_per_token)
             capacity = shape.tokens_for_bytes(budget, args.page_size)
         capacity = max(args.page_size, capacity // args.page_size * args.page_size)
         self.allocator = PagedAllocator(capacity, args.page_size, self.device)
         self.req_to_token = ReqToTokenPool(args.max_running_requests + RESERVED_ROWS, self.context_length + 8,
                                            self.device)
         self.kv = KVStorage(shape, self.allocator.total_slots, args.page_size, self.device)
+        if self.draft is not None:
+            self.draft.attach(self.allocator.total_slots, args.page_size, self.req_to_token.table)
 
     def _kv_budget_share(self, shape: KVShape) -> float:
         """The part of the KV budget this rank's shard may use: on CPU every rank's shard lives in the same
@@ -199,9 +211,13 @@ class ModelRunner:
             with self._tp_step(batch, torch.empty(0, dtype=torch.int64)):
                 return self.model.forward(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
-        self.attn_backend.plan(batch)
-        return self.model.forward(batch)
+            hidden = self.graph_runner.replay(batch)
+        else:
+            self.attn_backend.plan(batch)
+            hidden = self.model.forward(batch)
+        if self.draft is not None:  # every slot computed here gets the draft model's KV too (draft_model.py)
+            self.draft.mirror(batch)
+        return hidden
 
     @torch.inference_mode()
     def forward_device(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,8 @@ from runtime.scheduler.req import Req
 
 
 def overlap_enabled(args: ServerArgs, device: Any) -> bool:
-    """Which loop runs: overlap by default on CUDA; on CPU only with ``--enable-overlap-schedule``; never with
-    the disable flag."""
-    if args.disable_overlap_schedule:
-        return False
-    return getattr(device, "type", str(device)) == "cuda" or args.enable_overlap_schedule
+    """Which loop runs on ``device`` (``ServerArgs.overlap_schedule``)."""
+    return args.overlap_schedule(getattr(device, "type", str(device)))
 
 
 @dataclass

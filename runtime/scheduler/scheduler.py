@@ -7,8 +7,8 @@
 * ``process(output) -> list[ReqOutput]``: tokens are applied, stop conditions checked, finished requests
   hand their KV to the cache.
 
-With ``--speculative-algorithm ngram`` (normal loop only) a running request's decode may carry a draft that
-the same step verifies: see ``speculation.py``.
+With ``--speculative-algorithm ngram|draft`` (normal loop only) a running request's decode may carry a draft
+that the same step verifies: see ``speculation.py``.
 
 ``step()`` runs one iteration of the loop in force; both are below, side by side. The normal loop does the
 three in order. The overlap loop (default on CUDA, ``--enable-overlap-schedule`` on CPU) launches batch
@@ -93,7 +93,7 @@ class Scheduler:
         self._inflight: ForwardOutput | None = None  # overlap loop: the batch launched and not yet processed
         self._ahead: frozenset[int] = frozenset()  # id() of requests whose input token is still being sampled
         self.worker = ForwardWorker(runner, self.sampler, threaded=self.overlap)
-        self.spec = make_speculation(args, self.overlap)
+        self.spec = make_speculation(args, self.overlap, runner)
         weakref.finalize(self, self.worker.close)  # the worker thread ends with its scheduler
 
     # ------------------------------------------------------------------ requests in and out
@@ -150,11 +150,11 @@ class Scheduler:
         """Hand the request's KV to the cache: every token whose K/V is computed or being computed by a
         launched batch (``kv_len`` counts those slots)."""
         req.finished = reason
+        if self.spec is not None:  # (first: a draft in flight is dropped, not cached)
+            self.spec.finished(req, self.cache)
         if req.kv is not None:
             self.cache.cache_finished_req(req.kv, req.tokens[: req.kv_len])
             req.kv = None
-        if self.spec is not None:
-            self.spec.remember(req)
         self.stats.finished += 1
 
     def pop_outputs(self) -> list[ReqOutput]:

@@ -1,11 +1,13 @@
-"""Speculative decoding in the scheduler's step (``--speculative-algorithm ngram``, ``runtime.speculative``).
+"""Speculative decoding in the scheduler's step (``--speculative-algorithm ngram|draft``, ``runtime.speculative``).
 
 One way through the code: a decode is a plan of one new token; with a draft it is a plan of ``1 + k``.
 
 * schedule: once every running request holds the slot of its next token (retracting if memory is short),
-  :meth:`Speculation.add_drafts` asks the drafter for up to K tokens per eligible request (fewer while its
-  drafts are rejected: ``runtime.speculative.adaptive``) and allocates their KV slots as private slots of
-  the request, only from memory that is available (free or evictable) — a draft never retracts anyone;
+  :meth:`Speculation.add_drafts` asks the drafter (``runtime.speculative.drafter``: n-gram drafts or a draft
+  model, the class :data:`DRAFTERS` names for the algorithm) for up to K tokens per eligible request (fewer while
+  its drafts are rejected: ``runtime.speculative.adaptive``); the drafter takes their KV slots through
+  :class:`StepSlots`, as private slots of the request, only from memory that is available (free or evictable)
+  — a draft never retracts anyone;
 * the batch: the plan's input is the last real token and the draft, with a logits row at each position
   (``batch.py``); :func:`sampling_layout` gives each of those rows the request's sampling row at that output
   position (``runtime.speculative.verify``);
@@ -15,35 +17,65 @@ One way through the code: a decode is a plan of one new token; with a draft it i
   token but its last (``kv_len = len(tokens) - 1``, as after any decode), the pages wholly past that go back
   to the allocator, and the unused tail of the last page stays the request's, as the allocator's page rule
   has it. So between steps no request holds a draft slot, and the KV invariant holds as without speculation;
-  during a step the draft slots are counted as the request's private slots.
+  during a step the draft slots are counted as the request's private slots (a request that finishes before its
+  step is processed, an abort, drops them first: :meth:`Speculation.finished`).
 
 Who drafts: every decoding request but grammar-constrained ones (their matcher would have to advance through
 each draft token and roll back on rejection; they decode one token per step as before). Penalties,
 ``min_new_tokens``, logit bias, logprobs and seeded sampling are handled per position by the verify rows.
 
 The overlap loop builds step N+1 before N's tokens are known, so a request there has no last token to draft
-from; speculation is off with it (a start-up log line says so).
+from; speculation is off with it (a start-up log line says so, and no draft model is loaded).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radix.base import PrefixCache, ReqKV
 from runtime.config import ServerArgs
+from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampling_batch import SamplingRow
 from runtime.scheduler.admission import PrefillPlan
 from runtime.scheduler.req import Req
 from runtime.scheduler.stats import SchedulerStats
 from runtime.speculative.adaptive import DraftLength
+from runtime.speculative.drafter import Drafter, DraftJob
+from runtime.speculative.model_drafter import ModelDrafter
 from runtime.speculative.ngram import NgramConfig, NgramDrafter
 from runtime.speculative.verify import verify_rows
 
 logger = logging.getLogger(__name__)
 
 
-def make_speculation(args: ServerArgs, overlap: bool) -> Speculation | None:
+def ngram_drafter(args: ServerArgs, runner: ModelRunner | None) -> Drafter:
+    cfg = NgramConfig(num_draft_tokens=args.speculative_num_draft_tokens,
+                      min_match=args.speculative_ngram_min_match_window_size,
+                      max_match=args.speculative_ngram_max_match_window_size,
+                      capacity=args.speculative_ngram_capacity)
+    logger.info("speculative decoding: ngram drafts of up to %d tokens (match window %d..%d, store of %d tokens)",
+                cfg.num_draft_tokens, cfg.min_match, cfg.max_match, cfg.capacity)
+    return NgramDrafter(cfg)
+
+
+def model_drafter(args: ServerArgs, runner: ModelRunner | None) -> Drafter:
+    if runner is None or runner.draft is None:
+        raise ValueError("speculative_algorithm: draft needs the model runner to hold the draft model "
+                         "(--speculative-draft-model)")
+    logger.info("speculative decoding: drafts of up to %d tokens from the draft model %s",
+                args.speculative_num_draft_tokens, runner.draft.name)
+    return ModelDrafter(runner.draft)
+
+
+# --speculative-algorithm -> its drafter: every method is a class behind runtime.speculative.drafter.Drafter
+DRAFTERS: dict[str, Callable[[ServerArgs, ModelRunner | None], Drafter]] = {
+    "ngram": ngram_drafter,
+    "draft": model_drafter,
+}
+
+
+def make_speculation(args: ServerArgs, overlap: bool, runner: ModelRunner | None = None) -> Speculation | None:
     """The speculation of ``args`` (None: off)."""
     if args.speculative_algorithm is None:
         return None
@@ -51,53 +83,68 @@ def make_speculation(args: ServerArgs, overlap: bool) -> Speculation | None:
         logger.warning("speculative decoding (--speculative-algorithm %s) is off: the overlap schedule does not "
                        "support it yet; add --disable-overlap-schedule to use it", args.speculative_algorithm)
         return None
-    cfg = NgramConfig(num_draft_tokens=args.speculative_num_draft_tokens,
-                      min_match=args.speculative_ngram_min_match_window_size,
-                      max_match=args.speculative_ngram_max_match_window_size,
-                      capacity=args.speculative_ngram_capacity)
-    logger.info("speculative decoding: ngram drafts of up to %d tokens (match window %d..%d, store of %d tokens)",
-                cfg.num_draft_tokens, cfg.min_match, cfg.max_match, cfg.capacity)
+    drafter = DRAFTERS[args.speculative_algorithm](args, runner)
     step_tokens = min(args.chunk_size or args.max_prefill_tokens, args.max_prefill_tokens)
-    return Speculation(cfg, max(1, step_tokens // 2))  # half a step's token budget at most
+    # half a step's token budget at most
+    return Speculation(drafter, args.speculative_num_draft_tokens, max(1, step_tokens // 2))
+
+
+class StepSlots:
+    """The :class:`~runtime.speculative.drafter.DraftSlots` of one step: draft slots for the jobs' plans, from
+    available memory and a budget of draft tokens (drafts count against the step's token budget and must not
+    crowd waiting prompts out of it)."""
+
+    def __init__(self, plans: Sequence[PrefillPlan], cache: PrefixCache, budget: int):
+        self.plans = plans
+        self.cache = cache
+        self.budget = budget
+        self.reserved = [0] * len(plans)
+
+    def reserve(self, job: int, n: int) -> bool:
+        plan, cache = self.plans[job], self.cache
+        kv = plan.req.kv
+        assert kv is not None and self.reserved[job] == 0, "one reservation per job"
+        alloc = cache.allocator
+        need = (alloc.pages_for(kv.kv_len + n) - alloc.pages_for(kv.kv_len)) * cache.page_size
+        if n <= 0 or n > self.budget or need > cache.available_size:
+            return False
+        cache.alloc_tokens(kv, n)
+        plan.extend += n
+        self.budget -= n
+        self.reserved[job] = n
+        return True
 
 
 class Speculation:
-    def __init__(self, cfg: NgramConfig, max_step_tokens: int):
-        self.cfg = cfg
+    def __init__(self, drafter: Drafter, max_k: int, max_step_tokens: int):
+        self.drafter = drafter
+        self.max_k = max_k  # K: most draft tokens per request per step
         self.max_step_tokens = max_step_tokens  # most draft tokens in one step
-        self.drafter = NgramDrafter(cfg)
 
     def new_state(self) -> DraftLength:
-        return DraftLength(self.cfg.num_draft_tokens)
+        return DraftLength(self.max_k)
 
     def add_drafts(self, plans: Sequence[PrefillPlan], cache: PrefixCache, context_length: int) -> None:
         """Give the decode ``plans`` (each holding its next token's slot) their drafts and the drafts' slots, at
-        most ``max_step_tokens`` draft tokens in all (drafts count against the step's token budget and must not
-        crowd waiting prompts out of it)."""
-        alloc = cache.allocator
-        budget = self.max_step_tokens
+        most ``max_step_tokens`` draft tokens in all."""
+        chosen: list[PrefillPlan] = []
+        jobs: list[DraftJob] = []
         for plan in plans:
-            if budget <= 0:
-                return
             req = plan.req
             if req.spec is None or req.grammar is not None or req.kv is None:
                 continue
             # never past max_new_tokens or the context: every emitted token must be one the request may emit
             room = min(req.remaining_new_tokens(), context_length - len(req.tokens)) - 1
-            k = min(req.spec.want(), room, budget)
-            if k <= 0:
-                continue
-            draft = self.drafter.propose(req.tokens, req.options.cache_namespace, k)
-            if not draft:
-                continue
-            kv = req.kv
-            need = (alloc.pages_for(kv.kv_len + len(draft)) - alloc.pages_for(kv.kv_len)) * cache.page_size
-            if need > cache.available_size:
-                continue
-            cache.alloc_tokens(kv, len(draft))
-            plan.extend += len(draft)
+            k = min(req.spec.want(), room)
+            if k > 0:
+                chosen.append(plan)
+                jobs.append(DraftJob(req.tokens, req.options.cache_namespace, k, req.kv.row))
+        if not jobs:
+            return
+        slots = StepSlots(chosen, cache, self.max_step_tokens)
+        for plan, draft, reserved in zip(chosen, self.drafter.draft(jobs, slots), slots.reserved):
+            assert len(draft) == reserved, f"a draft of {len(draft)} tokens in {reserved} slots"
             plan.draft = draft
-            budget -= len(draft)
 
     def settle(self, req: Req, drafted: int, accepted: int, cache: PrefixCache, stats: SchedulerStats) -> int:
         """After ``req`` verified a draft of ``drafted`` tokens and emitted ``accepted`` of them (plus the
@@ -109,12 +156,13 @@ class Speculation:
         release_tail(cache, req.kv, len(req.tokens) - 1)
         return accepted
 
-    def remember(self, req: Req) -> None:
-        """A finished request's tokens become draft material (in its cache namespace). Its cached prefix came
-        from earlier requests, already remembered (multi-turn chats and agent loops resend their transcript),
-        so only the tokens from shortly before it are indexed again."""
-        start = max(0, req.cached_tokens - self.cfg.max_match)
-        self.drafter.remember(req.tokens[start:], req.options.cache_namespace)
+    def finished(self, req: Req, cache: PrefixCache) -> None:
+        """``req`` finishes (before its KV goes to the cache). A draft scheduled and not yet processed (an abort
+        between the two) holds slots past the request's tokens: they hold no token of it, so they are freed, never
+        cached. Then its tokens become draft material."""
+        if req.kv is not None and req.kv_len > len(req.tokens):
+            release_tail(cache, req.kv, len(req.tokens))
+        self.drafter.finished(req.tokens, req.cached_tokens, req.options.cache_namespace)
 
     def clear(self) -> None:
         self.drafter.clear()

@@ -27,6 +27,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from runtime.speculative.drafter import Drafter, DraftJob, DraftSlots
+
 WORD = 4  # bytes per token id in an int32 array
 
 
@@ -168,12 +170,20 @@ class SequenceStore:
         self.tokens = 0
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Drafts for running requests from their own tokens and the finished ones' (see the module docstring)."""
 
     def __init__(self, cfg: NgramConfig):
         self.cfg = cfg
         self.store = SequenceStore(cfg.min_match, cfg.capacity, cfg.max_candidates)
+
+    def draft(self, jobs: Sequence[DraftJob], slots: DraftSlots) -> list[list[int]]:
+        """The draft comes first and its slots after: a step where nothing matches allocates nothing."""
+        out: list[list[int]] = []
+        for i, job in enumerate(jobs):
+            draft = self.propose(job.tokens, job.namespace, min(job.k, slots.budget))
+            out.append(draft if draft and slots.reserve(i, len(draft)) else [])
+        return out
 
     def propose(self, tokens: array, namespace: Hashable | None, k: int) -> list[int]:
         """Up to ``k`` tokens likely to follow ``tokens`` (empty: no evidence)."""
@@ -185,6 +195,11 @@ class NgramDrafter:
     def remember(self, tokens: array, namespace: Hashable | None) -> None:
         """A finished request's prompt and output become draft material for later requests."""
         self.store.add(tokens, namespace)
+
+    def finished(self, tokens: array, cached_tokens: int, namespace: Hashable | None) -> None:
+        """Its cached prefix came from earlier requests, already remembered (multi-turn chats and agent loops
+        resend their transcript), so only the tokens from shortly before it are indexed again."""
+        self.remember(tokens[max(0, cached_tokens - self.cfg.max_match) :], namespace)
 
     def clear(self) -> None:
         self.store.clear()
