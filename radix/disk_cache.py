@@ -122,7 +122,11 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
                 return match
             kv = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
             kv = kv[:, :, start - first * bt :]
-            self.device_kv.write(slots, kv[:, 0], kv[:, 1])
+            try:
+                self.device_kv.write(slots, kv[:, 0], kv[:, 1])  # a tensor-parallel pool's copy may fail
+            except BaseException:
+                self.allocator.free(slots)
+                raise
             every = torch.cat([match.kv_indices, slots])
             cached = self.insert(key[: 4 * end], every, namespace)
             if cached > start:  # the tree had those positions already: ours are duplicates
