@@ -143,8 +143,10 @@ def rounds(engine: Any, prompts: list[list[int]], turns: int) -> list[dict[str, 
     for t in range(turns):
         for i, ids in enumerate(prompts):
             out.append(engine.generate(input_ids=ids + [100 + t, 200 + i] * t, sampling_params=GREEDY, **WITH_TOP2))
-        report = engine.check_integrity()
+        report = engine.check_integrity()  # raises on a broken rule of either tier
         assert report["private"] == 0 and report["protected"] == 0, report
+        if "host_capacity" in report:
+            assert report["host_free"] + report["host_held"] == report["host_capacity"], report
     return out
 
 
