@@ -13,7 +13,7 @@ from radix.events import AllBlocksCleared, BlocksRemoved, BlocksStored, CacheEve
 from radix.eviction import LFUPolicy, LRUPolicy, make_policy
 from radix.hierarchical_cache import HierarchicalRadixCache
 from radix.host_pool import HostKVPool, TransferHandle, host_capacity_tokens
-from radix.kv_storage import KVShape, KVStorage
+from radix.kv_storage import KVPages, KVShape, KVStorage
 from radix.naive_cache import NaiveCache
 from radix.radix_cache import RadixCache, TreeNode
 from radix.tiered_node import WRITE_POLICIES, LoadBack, LowerTier, TieredNode
@@ -32,6 +32,7 @@ __all__ = [
     "IntegrityError",
     "KVCacheError",
     "KVOutOfMemoryError",
+    "KVPages",
     "KVShape",
     "KVStorage",
     "LFUPolicy",

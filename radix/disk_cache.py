@@ -41,7 +41,7 @@ from radix.errors import KVOutOfMemoryError
 from radix.events import EventSink
 from radix.hierarchical_cache import HierarchicalRadixCache
 from radix.host_pool import HostKVPool
-from radix.kv_storage import KVStorage
+from radix.kv_storage import KVPages
 
 
 @dataclass
@@ -65,7 +65,7 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
         self,
         allocator: PagedAllocator,
         req_to_token: ReqToTokenPool,
-        device_kv: KVStorage,
+        device_kv: KVPages,
         host_pool: HostKVPool,
         disk: DiskTier,
         write_policy: str = "write_through",
@@ -122,10 +122,11 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
                 return match
             kv = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
             kv = kv[:, :, start - first * bt :]
-            dev = self.device_kv.k_buffer.device
-            idx = slots.to(dev)
-            self.device_kv.k_buffer.index_copy_(1, idx, kv[:, 0].to(dev))
-            self.device_kv.v_buffer.index_copy_(1, idx, kv[:, 1].to(dev))
+            try:
+                self.device_kv.write(slots, kv[:, 0], kv[:, 1])  # a tensor-parallel pool's copy may fail
+            except BaseException:
+                self.allocator.free(slots)
+                raise
             every = torch.cat([match.kv_indices, slots])
             cached = self.insert(key[: 4 * end], every, namespace)
             if cached > start:  # the tree had those positions already: ours are duplicates

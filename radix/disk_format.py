@@ -3,8 +3,14 @@
 The disk tier (``radix.disk_store``) addresses blocks by the chained block hash of ``radix.events``: a hash
 names a token prefix, not the KV computed from it. The same prefix gives different KV under other weights,
 another KV dtype or page size, another tokenizer (the ids mean other text), another RoPE configuration, or
-another tensor-parallel shard of the KV heads. The fingerprint names all of these; the store keeps its
-blocks in a directory named by ``digest()``, so KV made under one fingerprint is never read under another.
+numerics that change the KV bits. The fingerprint names all of these; the store keeps its blocks in a
+directory named by ``digest()``, so KV made under one fingerprint is never read under another.
+
+Blocks hold every KV head (a tensor-parallel server gathers its ranks' heads before writing), so the
+tensor-parallel size is not part of the layout: a directory written at tp 2 is read at tp 1 or 3. A
+row-parallel layer sums in tp pieces, which changes KV only by float rounding, the way batch composition
+does; ``tp_size`` is set only where the KV bits are promised (deterministic mode) or the model differs
+with the split (int8 scales per shard).
 
 Weight digests hash the files' *contents*: size and mtime alone would accept a file rewritten in place
 (a re-download of another revision can keep both). Hashing a multi-GB checkpoint still takes a while (xxh3
@@ -93,15 +99,15 @@ class KVFingerprint:
     kv_dtype: str  # dtype_name() of the KV pool, e.g. "bfloat16"
     page_size: int
     num_layers: int
-    kv_heads: int  # KV heads this process holds (per tensor-parallel shard)
+    kv_heads: int  # every KV head of the model (blocks hold all of them, whatever the tensor-parallel size)
     head_dim: int
     tokenizer: str  # tokenizer_digest() (a GGUF file's tokenizer is covered by `weights`; pass "gguf")
     rope_theta: float
     rope_scaling: str = ""  # canonical_json(config.rope_scaling); "" for none
     max_positions: int = 0
     attention: str = ""  # anything else about attention that changes KV (sliding window, KV layout, ...)
-    tp_size: int = 1
-    tp_rank: int = 0
+    tp_size: int = 1  # 1 unless the KV depends on the tensor-parallel size beyond rounding (module docstring)
+    tp_rank: int = 0  # always 0 for blocks of every head; kept so that older fingerprints keep their digest
     namespace: str = "default"  # separates caches that must never share blocks (tenants, experiments)
     format_version: int = FORMAT_VERSION
 

@@ -5,8 +5,9 @@ Blocks. A disk block is ``block_tokens`` consecutive tokens (64, or the smallest
 size above it) aligned at multiples of ``block_tokens`` from the start of the sequence. It is named by the
 chained hash ``chain_hashes(root_hash(namespace), key, 4 * block_tokens)`` of ``radix.events``: the hash
 covers the block's whole prefix and namespace, so one name is one prefix, and a restarted server finds a
-conversation's blocks by hashing its prompt. A block's payload is its KV for every layer, shaped
-``[layers, 2 (K, V), block_tokens, kv_heads, head_dim]`` in the device pool's dtype.
+conversation's blocks by hashing its prompt. A block's payload is its KV for every layer and every KV head,
+shaped ``[layers, 2 (K, V), block_tokens, kv_heads, head_dim]`` in the device pool's dtype; the device pool
+is read and written through ``KVPages``, which gathers a tensor-parallel pool's heads from its ranks.
 
 Writes (``offer``) happen when the tree caches a request's tokens. The blocks not on disk yet are gathered
 from the device slots *on the caller's thread* (so the copy is taken before the slots can be freed and
@@ -36,7 +37,7 @@ import torch
 from radix.disk_format import dtype_name
 from radix.disk_store import DiskKVStore
 from radix.events import chain_hashes, root_hash
-from radix.kv_storage import KVShape, KVStorage
+from radix.kv_storage import KVPages, KVShape
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class DiskTier:
         return chain_hashes(root_hash(namespace), key[: unit * n_blocks], unit).tolist()
 
     # ------------------------------------------------------------------ write
-    def offer(self, key: bytes, namespace: Hashable | None, slots: torch.Tensor, kv: KVStorage) -> int:
+    def offer(self, key: bytes, namespace: Hashable | None, slots: torch.Tensor, kv: KVPages) -> int:
         """Queue for writing every complete block of ``key`` (whose KV is in device ``slots``, one per token)
         that is neither on disk nor queued. The gather happens now; the write later. Returns blocks queued."""
         bt = self.block_tokens
@@ -176,11 +177,9 @@ class DiskTier:
         self.counters.blocks_queued += len(todo)
         return len(todo)
 
-    def _gather(self, kv: KVStorage, slots: torch.Tensor, blocks: list[int], hashes: list[int]) -> _Batch:
+    def _gather(self, kv: KVPages, slots: torch.Tensor, blocks: list[int], hashes: list[int]) -> _Batch:
         bt = self.block_tokens
-        idx = torch.cat([slots[i * bt : (i + 1) * bt] for i in blocks]).to(kv.k_buffer.device)
-        k = kv.k_buffer.index_select(1, idx)
-        v = kv.v_buffer.index_select(1, idx)
+        k, v = kv.read(torch.cat([slots[i * bt : (i + 1) * bt] for i in blocks]))
         both = torch.stack((k, v), dim=1)  # [layers, 2, n*B, heads, dim]: a copy, independent of the slots
         ready: torch.cuda.Event | None = None
         if both.is_cuda:

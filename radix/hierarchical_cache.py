@@ -42,7 +42,7 @@ from radix.errors import KVCacheError, KVOutOfMemoryError
 from radix.events import BlocksRemoved, EventSink
 from radix.eviction import EvictionIndex, make_policy
 from radix.host_pool import DONE, HostKVPool
-from radix.kv_storage import KVStorage
+from radix.kv_storage import KVPages
 from radix.radix_cache import RadixCache, TreeNode
 from radix.tier_stats import TierCounters
 from radix.tiered_integrity import check_tiered_books
@@ -60,7 +60,7 @@ class HierarchicalRadixCache(RadixCache):
         self,
         allocator: PagedAllocator,
         req_to_token: ReqToTokenPool,
-        device_kv: KVStorage,
+        device_kv: KVPages,
         host_pool: HostKVPool,
         write_policy: str = "write_through",
         eviction_policy: str = "lru",

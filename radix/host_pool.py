@@ -1,22 +1,24 @@
 """HostKVPool: the host-memory tier (L2) of the KV cache — K/V pages in RAM and the copies to and from the device.
 
-The pool has the device storage's layout (``radix.kv_storage``), one ``[total_slots, kv_heads, head_dim]``
-K and V tensor per layer, and its own ``PagedAllocator`` of host slots (page 0 reserved, like the device's),
+The pool has the layout of an unsplit device storage (``radix.kv_storage``), one ``[total_slots, kv_heads,
+head_dim]`` K and V tensor per layer, and its own ``PagedAllocator`` of host slots (page 0 reserved, like the device's),
 so the radix tree can name host KV the way it names device KV: a tensor of slot indices. The pool only
 moves bytes and hands out slots; which node owns which host slots is the tiered cache's business
 (``radix.hierarchical_cache``).
 
-Copies:
+Copies go through the device pool's ``KVPages`` interface (``radix.kv_storage``), so the host pool holds
+every KV head of a slot whatever holds them on the device (one device, or tensor-parallel ranks):
 
-* CPU device: both pools are RAM, copies are plain ``index_select``/``index_copy_`` and the returned
-  handle is already done.
-* CUDA device: host buffers are pinned. A backup gathers the device rows on a side stream (after the
-  work already queued on the caller's stream, which computed them), makes the caller's stream wait only
-  for that gather (so the device slots can be freed and reused at once), and copies the gathered rows to
-  a pinned staging buffer asynchronously; the rows are scattered into the host buffers when the copy is
-  complete. Pending backups are completed in order, and always before a restore reads host rows. A restore
-  stages the host rows in pinned memory, copies them to the device and scatters them into the device
-  buffers on the side stream; ``wait()`` orders the caller's current stream after it (no host block).
+* a ``KVStorage`` on the CPU, or any other ``KVPages`` (rank 0's view of a tensor-parallel pool, whose
+  copies are collectives with the other ranks): ``read`` / ``write`` on the caller's thread, and the
+  returned handle is already done.
+* a ``KVStorage`` on CUDA: host buffers are pinned. A backup gathers the device rows on a side stream
+  (after the work already queued on the caller's stream, which computed them), makes the caller's stream
+  wait only for that gather (so the device slots can be freed and reused at once), and copies the gathered
+  rows to a pinned staging buffer asynchronously; the rows are scattered into the host buffers when the
+  copy is complete. Pending backups are completed in order, and always before a restore reads host rows.
+  A restore stages the host rows in pinned memory, copies them to the device and scatters them into the
+  device buffers on the side stream; ``wait()`` orders the caller's current stream after it (no host block).
 
 Both kinds of handle have ``wait()`` (the data is usable by whatever the caller runs next) and ``done()``.
 """
@@ -29,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from radix.allocator import PagedAllocator
-from radix.kv_storage import KVShape, KVStorage
+from radix.kv_storage import KVPages, KVShape, KVStorage
 
 
 class TransferHandle:
@@ -113,9 +115,9 @@ class HostKVPool:
         self._pending: deque[_CudaBackup] = deque()  # CUDA backups whose rows are not in the buffers yet
 
     @classmethod
-    def for_device(cls, storage: KVStorage, capacity_tokens: int) -> HostKVPool:
+    def for_device(cls, storage: KVPages, capacity_tokens: int) -> HostKVPool:
         """A pool matching ``storage`` (same shape and page size; pinned when the storage is on CUDA)."""
-        return cls(storage.shape, capacity_tokens, storage.page_size, pin_memory=storage.k_buffer.is_cuda)
+        return cls(storage.shape, capacity_tokens, storage.page_size, pin_memory=storage.device.type == "cuda")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -135,32 +137,35 @@ class HostKVPool:
         self.allocator.free(host_slots)
 
     # ------------------------------------------------------------------ copies
-    def backup(self, storage: KVStorage, device_slots: torch.Tensor) -> tuple[torch.Tensor, TransferHandle]:
+    def backup(self, storage: KVPages, device_slots: torch.Tensor) -> tuple[torch.Tensor, TransferHandle]:
         """Copy every layer's K and V of ``device_slots`` into fresh host slots (raises
         ``KVOutOfMemoryError`` when the pool has no room); returns the host slots and the copy's handle.
         Once this returns, the device slots may be freed and reused."""
         self._check(storage)
         self.poll()
         host_slots = self.allocator.alloc(int(device_slots.numel()))
-        if not storage.k_buffer.is_cuda:
-            dev = device_slots.to(storage.k_buffer.device)
-            self.k_buffer.index_copy_(1, host_slots, storage.k_buffer.index_select(1, dev))
-            self.v_buffer.index_copy_(1, host_slots, storage.v_buffer.index_select(1, dev))
-            return host_slots, DONE
-        return host_slots, self._cuda_backup(storage, device_slots, host_slots)
+        if isinstance(storage, KVStorage) and storage.k_buffer.is_cuda:
+            return host_slots, self._cuda_backup(storage, device_slots, host_slots)
+        try:
+            k, v = storage.read(device_slots)  # under tensor parallelism a collective, which may fail
+        except BaseException:
+            self.allocator.free(host_slots)
+            raise
+        self.k_buffer.index_copy_(1, host_slots, k.cpu())
+        self.v_buffer.index_copy_(1, host_slots, v.cpu())
+        return host_slots, DONE
 
-    def restore(self, host_slots: torch.Tensor, storage: KVStorage, device_slots: torch.Tensor) -> TransferHandle:
+    def restore(self, host_slots: torch.Tensor, storage: KVPages, device_slots: torch.Tensor) -> TransferHandle:
         """Copy every layer's K and V of ``host_slots`` into ``device_slots`` of ``storage``."""
         self._check(storage)
         if host_slots.numel() != device_slots.numel():
             raise ValueError(f"{host_slots.numel()} host slots restored into {device_slots.numel()} device slots")
         self.complete_backups()  # host rows must hold what was backed up before anyone reads them
-        if not storage.k_buffer.is_cuda:
-            dev = device_slots.to(storage.k_buffer.device)
-            storage.k_buffer.index_copy_(1, dev, self.k_buffer.index_select(1, host_slots))
-            storage.v_buffer.index_copy_(1, dev, self.v_buffer.index_select(1, host_slots))
-            return DONE
-        return self._cuda_restore(host_slots, storage, device_slots)
+        if isinstance(storage, KVStorage) and storage.k_buffer.is_cuda:
+            return self._cuda_restore(host_slots, storage, device_slots)
+        k, v = self.k_buffer.index_select(1, host_slots), self.v_buffer.index_select(1, host_slots)
+        storage.write(device_slots, k, v)
+        return DONE
 
     def poll(self) -> None:
         """Land the pending CUDA backups that have finished copying (in order; never blocks)."""
@@ -175,7 +180,7 @@ class HostKVPool:
             if handle is upto:
                 break
 
-    def _check(self, storage: KVStorage) -> None:
+    def _check(self, storage: KVPages) -> None:
         if storage.shape != self.shape or storage.page_size != self.page_size:
             raise ValueError(
                 f"host pool ({self.shape}, page {self.page_size}) does not match the device storage "

@@ -9,11 +9,17 @@ same memory without copies)::
 Slot ``s`` is row ``s``; page ``p`` is rows ``p*page_size .. p*page_size + page_size - 1``, so
 ``paged_view(layer)`` is a free reshape to ``[num_pages + 1, page_size, num_kv_heads, head_dim]``, the
 NHD paged layout FlashInfer expects. Row block 0 is the reserved padding page (see ``allocator``).
+
+``KVPages`` is the device pool as the host and disk tiers see it: every KV head of some slots, read or
+written as a whole. ``KVStorage`` is one (one device holds every head); under tensor parallelism each rank
+holds some heads of every slot and rank 0's ``ShardedKV`` (``runtime/executor/tp_kv.py``) gathers and
+scatters them, so the tiers hold the layout of an unsplit pool and never learn that the model is split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -42,6 +48,30 @@ class KVShape:
         return pages * page_size
 
 
+class KVPages(Protocol):
+    """Every KV head of the device pool's slots, as the host and disk tiers copy them (module docstring)."""
+
+    @property
+    def shape(self) -> KVShape:
+        """The layout of one slot: every layer, every KV head of the model."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def total_slots(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where ``read`` returns its tensors."""
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots``, each ``[layers, len(slots), kv_heads, head_dim]`` (new tensors)."""
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k`` and ``v`` (shaped as ``read`` returns them, on any device) into ``slots``."""
+
+
 class KVStorage:
     """Holds the KV tensors of every layer; the allocator decides which slots are whose."""
 
@@ -60,6 +90,22 @@ class KVStorage:
     @property
     def nbytes(self) -> int:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_buffer.device
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's K and V of ``slots`` (``KVPages``)."""
+        idx = slots.to(self.k_buffer.device)
+        return self.k_buffer.index_select(1, idx), self.v_buffer.index_select(1, idx)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every layer's K and V into ``slots`` (``KVPages``)."""
+        dev = self.k_buffer.device
+        idx = slots.to(dev)
+        self.k_buffer.index_copy_(1, idx, k.to(dev))
+        self.v_buffer.index_copy_(1, idx, v.to(dev))
 
     def k(self, layer: int) -> torch.Tensor:
         return self.k_buffer[layer]

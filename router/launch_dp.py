@@ -4,8 +4,11 @@ The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli
 PORT+1 .. PORT+N of 127.0.0.1; the router takes PORT on the host the user asked for. With the exact
 policy each worker also publishes its cache events on PORT+N+1+i. The model is resolved (and the default
 model converted) once, before any worker starts, so N workers never race to convert it. On CPU each
-worker gets an equal share of the cores unless --num-threads says otherwise; on CUDA with at least N
-visible GPUs, worker i gets GPU i.
+worker gets an equal share of the cores unless --num-threads says otherwise (with --tp M each worker's
+ranks split that share again). On CUDA worker i sees only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i
+with --tp 1, GPUs i*M .. i*M+M-1 with --tp M, so its ranks' GPUs 0..M-1 are the machine's i*M + r. With
+--tp M > 1 fewer than N*M visible GPUs is a start-up error (two ranks would share a GPU, each sizing its KV
+pool from the same free memory); with --tp 1 and fewer than N GPUs the workers share them, as before.
 
 Each worker runs in its own process group (a terminal's Ctrl-C reaches only this process, which then
 stops the workers in order) and dies with this process (PR_SET_PDEATHSIG) if it is killed outright.
@@ -70,21 +73,40 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_env(args: ServerArgs, dp: int, i: int) -> dict[str, str]:
-    env = dict(os.environ)
-    if args.api_key:
-        env[API_KEY_ENV] = args.api_key
+def worker_gpus(dp: int, tp: int, count: int, visible: str | None) -> list[str] | None:
+    """Each worker's ``CUDA_VISIBLE_DEVICES`` (None: leave the environment as it is). ``count`` GPUs are
+    visible to this process, named by ``visible`` (its own ``CUDA_VISIBLE_DEVICES``) when set. ValueError
+    when the workers' tensor-parallel ranks would have to share GPUs."""
+    need = dp * tp
+    if count == 0 or dp == 1:
+        return None  # no GPU, or one worker: its ranks take GPUs 0..tp-1 of what it sees
+    if count < need:
+        if tp > 1:
+            raise ValueError(f"--dp {dp} --tp {tp} needs {need} GPUs (one per rank), {count} visible")
+        return None  # --tp 1: the workers share the GPUs
+    names = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if len(names) < need:
+        names = [str(g) for g in range(count)]
+    return [",".join(names[i * tp : (i + 1) * tp]) for i in range(dp)]
+
+
+def _visible_gpus(args: ServerArgs) -> int:
     if args.device == "cpu":
-        return env
+        return 0
     try:
         import torch
 
-        count = torch.cuda.device_count()
+        return int(torch.cuda.device_count())
     except ImportError:
-        return env
-    if count >= dp > 1:
-        visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
-        env["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) >= dp else str(i)
+        return 0
+
+
+def _worker_env(args: ServerArgs, gpus: list[str] | None, i: int) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i]
     return env
 
 
@@ -148,6 +170,11 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
         logger.error("%s", exc)
         return 1
     threads = server_args.num_threads or max(1, default_num_threads() // dp)
+    try:
+        gpus = worker_gpus(dp, server_args.tp_size, _visible_gpus(server_args), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     exact = router_args.policy == "exact"
     base = server_args.port
     urls = [f"http://127.0.0.1:{base + 1 + i}" for i in range(dp)]
@@ -164,7 +191,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
                 argv = worker_argv(server_args, model=model, port=base + 1 + i, served=served,
                                    num_threads=threads, kv_events_port=events[i] if exact else None)
                 logger.info("starting worker %d/%d on %s", i + 1, dp, urls[i])
-                procs.append(subprocess.Popen(argv, env=_worker_env(server_args, dp, i), start_new_session=True,
+                procs.append(subprocess.Popen(argv, env=_worker_env(server_args, gpus, i), start_new_session=True,
                                               preexec_fn=_die_with_parent))
             _wait_healthy(procs, urls, start_timeout)
         except (RuntimeError, OSError) as exc:

@@ -228,11 +228,6 @@ class ServerArgs:
         need(self.request_timeout is None or self.request_timeout > 0, "request_timeout", "must be > 0 seconds")
         need(self.watchdog_timeout > 0, "watchdog_timeout", "must be > 0 seconds")
         need(self.tp_size >= 1, "tp_size", "must be >= 1")
-        if self.tp_size > 1:
-            # the host and disk tiers copy KV pages out of rank 0's pool only; the other ranks' head shards
-            # would be lost, so the combination is refused rather than served wrong
-            need(not self.enable_hierarchical_cache, "tp_size",
-                 "--enable-hierarchical-cache is not supported with tensor parallelism yet (use --tp-size 1)")
         need(self.hicache_ratio > 0, "hicache_ratio", "must be > 0")
         need(self.hicache_size >= 0, "hicache_size", "must be >= 0 GB")
         need(self.hicache_storage_size is None or self.hicache_storage_size > 0, "hicache_storage_size",

@@ -2,7 +2,8 @@
 
 The model calls three things: an in-place sum across ranks after each row-parallel layer (and the
 vocab-parallel embedding), a gather of vocab-sharded logits to rank 0, and nothing else — the step's batch
-is broadcast by the executor (``runtime/executor/tp_step.py``) before the model runs.
+is broadcast by the executor (``runtime/executor/tp_step.py``) before the model runs. The memory hierarchy's
+copies (``runtime/executor/tp_kv.py``) gather every rank's KV heads to rank 0 and scatter them back.
 
 ``deterministic`` (``--enable-deterministic-inference``) replaces the library's all-reduce by an
 all-gather and a sum in rank order. Gloo's ring all-reduce splits the buffer into chunks by its size and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -73,10 +75,14 @@ class TPComm:
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Rank 0 gets ``[N, sum(widths)]``: every rank's ``x`` ``[N, widths[rank]]`` side by side in rank
         order; the other ranks get their own ``x`` back. Shards of unequal width are padded for the call."""
+        parts = self.gather(x, 1, widths)
+        return x if parts is None else torch.cat(parts, dim=1)
+
+    def gather(self, x: torch.Tensor, dim: int, sizes: list[int]) -> list[torch.Tensor] | None:
+        """Rank 0 gets every rank's ``x`` (whose size along ``dim`` is ``sizes[rank]``, the other dimensions
+        equal) in rank order; the other ranks get None. Unequal sizes are padded for the call."""
         t0 = time.perf_counter()
-        wide = max(widths)
-        send = x if x.shape[1] == wide else torch.nn.functional.pad(x, (0, wide - x.shape[1]))
-        send = send.contiguous()
+        send = _pad(x, dim, max(sizes)).contiguous()
         self.comm_bytes += send.nbytes
         parts = [torch.empty_like(send) for _ in range(self.size)] if self.is_first else None
         opts = dist.GatherOptions()
@@ -84,8 +90,24 @@ class TPComm:
         self.group.gather([parts] if parts is not None else [], [send], opts).wait()
         self.comm_seconds += time.perf_counter() - t0
         if parts is None:
-            return x
-        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+            return None
+        return [p.narrow(dim, 0, n) for p, n in zip(parts, sizes)]
+
+    def scatter(self, parts: list[torch.Tensor] | None, dim: int, sizes: list[int], shape: Sequence[int],
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Each rank gets ``parts[rank]`` of rank 0 (the other ranks pass None): a ``shape`` tensor whose size
+        along ``dim`` is ``sizes[rank]``. Unequal sizes are padded for the call."""
+        t0 = time.perf_counter()
+        wide = list(shape)
+        wide[dim] = max(sizes)
+        recv = torch.empty(wide, dtype=dtype, device=device)
+        send = [_pad(p, dim, wide[dim]).contiguous() for p in parts] if parts is not None else None
+        self.comm_bytes += recv.nbytes
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        self.group.scatter([recv], [send] if send is not None else [], opts).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return recv.narrow(dim, 0, sizes[self.rank])
 
     def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` becomes rank 0's ``x`` (in place)."""
@@ -94,3 +116,13 @@ class TPComm:
         self.group.broadcast([x], dist.BroadcastOptions()).wait()
         self.comm_seconds += time.perf_counter() - t0
         return x
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` padded with zeros at the end of ``dim`` up to ``size`` (``x`` itself when it is that size)."""
+    have = x.shape[dim]
+    if have == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size - have
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)

@@ -12,7 +12,8 @@ memory are logged. Decode batches that fit a captured size replay a graph; every
 With ``--tp-size N > 1`` this runner is rank 0 of N (``tp_ranks``): it starts ranks 1..N-1 as processes,
 splits the CPU threads between them, holds its own shard of the weights and of every KV page, and each step
 broadcasts the batch before running its shard; the logits come back whole to rank 0 only. The allocator,
-the request table and the radix tree stay here, so the scheduler never knows that the model is split.
+the request table and the radix tree stay here, so the scheduler never knows that the model is split;
+``kv_pages`` is the pool as the host and disk tiers copy it, every KV head of a slot (``tp_kv``).
 
 With ``--speculative-algorithm draft`` it also holds the draft model (``draft_model``), loaded first (a draft
 whose vocabulary differs fails before the served weights load), with KV for every slot of the pool: the pool is
@@ -34,13 +35,14 @@ from typing import Any
 import torch
 
 from radix.allocator import PagedAllocator, ReqToTokenPool
-from radix.kv_storage import KVShape, KVStorage
+from radix.kv_storage import KVPages, KVShape, KVStorage
 from runtime.config import ServerArgs, default_num_threads
 from runtime.core.forward_batch import ForwardBatch
 from runtime.distributed.comm import TPComm
 from runtime.executor.cuda_graph import CudaGraphRunner, capture_batch_sizes, graph_memory_reserve
 from runtime.executor.draft_model import DraftModel, load_draft
 from runtime.executor.model_build import build_model, kv_shape, model_source, tp_shards
+from runtime.executor.tp_kv import HeadLayout, ShardedKV
 from runtime.executor.tp_ranks import MemorySpec, RankFailure, RankGroup, rank_device
 from runtime.executor.tp_step import send_step, send_stop
 from runtime.models.tp_plan import TPContext
@@ -91,11 +93,15 @@ class ModelRunner:
             self.graph_runner: CudaGraphRunner | None = None
             graph_sizes = self._graph_sizes()
             self._init_memory(self._graph_reserve(graph_sizes))
+            # what the host and disk tiers copy: every KV head, gathered from the ranks under TP
+            self.kv_pages: KVPages = self.kv
             if self.ranks is not None and self.tp is not None:
                 self.ranks.publish_memory(MemorySpec(self.kv.total_slots, args.page_size,
                                                      *self.req_to_token.table.shape))
                 self.ranks.wait_ready()
                 self.ranks.connect(self.tp.comm, self.device)
+                self.kv_pages = ShardedKV(self.kv, HeadLayout.from_shards(self.tp.shards), self.tp.comm,
+                                          self._tp_exclusive)
             if graph_sizes:
                 self._capture_graphs()
         except BaseException:
@@ -231,14 +237,22 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _tp_step(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> Iterator[None]:
-        """Broadcast the step to the other ranks, then run rank 0's shard inside; a failed collective
-        becomes a :class:`RankFailure` naming the rank that died."""
-        assert self.ranks is not None and self.tp is not None
+        """Broadcast the step to the other ranks, then run rank 0's shard inside."""
+        assert self.tp is not None
+        with self._tp_exclusive():
+            send_step(self.tp.comm, batch, logit_rows)
+            yield
+
+    @contextlib.contextmanager
+    def _tp_exclusive(self) -> Iterator[None]:
+        """One operation's collectives at a time — a forward step (on the overlap loop's worker thread) or a
+        copy between KV tiers (on the scheduler's thread) — so every rank sees them in one order; a failed
+        collective becomes a :class:`RankFailure` naming the rank that died."""
+        assert self.ranks is not None
         if self.ranks.failure is not None:
             raise RankFailure(self.ranks.failure)
         with self._tp_lock:
             try:
-                send_step(self.tp.comm, batch, logit_rows)
                 yield
             except RuntimeError as exc:
                 reason = self.ranks.failure_reason()

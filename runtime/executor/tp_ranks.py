@@ -11,10 +11,11 @@ Start-up, in order, so that every failure is seen by polling rather than inside 
    becomes ``RankStartError`` naming it. Then all ranks build the process group (gloo / NCCL).
 
 Steady state: each step rank 0 broadcasts the batch (``tp_step``), all ranks run their shard, rank 0
-gathers the logits. A rank that dies fails rank 0's next collective at once (its socket closes); the
-supervisor notices it even when the server is idle: inside a server's scheduler process (a spawned child)
-it logs which rank died and exits the process with status 1, so the launcher answers 503 and exits; in a
-user's own process (the Engine) the failure is raised by the next forward instead.
+gathers the logits; between steps rank 0 may announce a copy of KV pages to or from the host or disk tier
+(``tp_kv``), in which every rank takes part. A rank that dies fails rank 0's next collective at once (its
+socket closes); the supervisor notices it even when the server is idle: inside a server's scheduler process
+(a spawned child) it logs which rank died and exits the process with status 1, so the launcher answers 503
+and exits; in a user's own process (the Engine) the failure is raised by the next forward instead.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from radix.kv_storage import KVStorage
 from runtime.config import ServerArgs
 from runtime.distributed.comm import TPComm, make_process_group
 from runtime.executor.model_build import build_model, kv_shape, model_source, tp_shards
-from runtime.executor.tp_step import recv_step
+from runtime.executor.tp_kv import HeadLayout, serve_kv_copy
+from runtime.executor.tp_step import KVCopy, recv_op
 from runtime.logging_setup import configure_logging
 from runtime.models.tp_plan import TPContext
 
@@ -121,11 +123,15 @@ def run_rank(spec: RankSpec) -> None:
         store.set(f"error/{spec.rank}", f"{type(exc).__name__}: {exc}")
         sys.exit(1)
     comm.connect(make_process_group(store, spec.rank, spec.size, device))
+    layout = HeadLayout.from_shards(tp.shards)
     with torch.inference_mode():
-        while (step := recv_step(comm, kv, table)) is not None:
-            hidden = model.forward(step.batch)
-            if step.logit_rows.numel():
-                model.compute_logits(hidden.index_select(0, step.logit_rows))
+        while (op := recv_op(comm, kv, table)) is not None:
+            if isinstance(op, KVCopy):  # the memory hierarchy moving pages between the device and a lower tier
+                serve_kv_copy(comm, kv, layout, op)
+                continue
+            hidden = model.forward(op.batch)
+            if op.logit_rows.numel():
+                model.compute_logits(hidden.index_select(0, op.logit_rows))
     logger.debug("tensor-parallel rank %d stops", spec.rank)
 
 

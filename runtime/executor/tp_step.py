@@ -1,7 +1,17 @@
-"""One step's batch, broadcast from rank 0 to the other tensor-parallel ranks.
+"""What rank 0 tells the other tensor-parallel ranks to do next, one operation at a time.
 
-Two broadcasts per step: a fixed header (command and sizes), then one int64 tensor holding everything a
-rank needs to rebuild the :class:`ForwardBatch` against its own KV shard and request table:
+Every operation starts with a broadcast of a fixed header: the operation, then its sizes. The ranks run
+the operations in the order rank 0 sends them (rank 0 sends each under one lock), so a copy between KV
+tiers is ordered with the forward passes around it on every rank alike.
+
+* ``FORWARD``: one step's batch (below), then the forward pass and the logits gather.
+* ``KV_READ`` / ``KV_WRITE``: a copy between the device pool and the host or disk tier (``tp_kv.py``): one
+  broadcast of the slots, then every rank's heads of those slots are gathered to rank 0 (read) or rank 0
+  scatters each rank its heads (write).
+* ``STOP``: the ranks exit.
+
+A forward step is two broadcasts: the header, then one int64 tensor holding everything a rank needs to
+rebuild the :class:`ForwardBatch` against its own KV shard and request table:
 
     input_ids[T] positions[T] out_cache_loc[T] req_pool_indices[B] prefix_lens[B] extend_lens[B]
     logit_rows[L] page-table rows (for each request, its first seq_len slots)
@@ -23,8 +33,8 @@ from radix.kv_storage import KVStorage
 from runtime.core.forward_batch import ForwardBatch, ForwardMode
 from runtime.distributed.comm import TPComm
 
-RUN, STOP = 1, 2
-HEADER = 6  # command, mode, T, B, L, table entries
+FORWARD, STOP, KV_READ, KV_WRITE = 1, 2, 3, 4
+HEADER = 6  # the operation, then FORWARD: mode, T, B, L, table entries; KV_READ / KV_WRITE: slots
 
 
 @dataclass
@@ -33,6 +43,15 @@ class StepData:
 
     batch: ForwardBatch
     logit_rows: torch.Tensor
+
+
+@dataclass
+class KVCopy:
+    """A copy between the device pool and a lower tier: every rank's heads of ``slots`` are gathered to rank
+    0 (``write`` False) or scattered from it (``write`` True)."""
+
+    write: bool
+    slots: torch.Tensor
 
 
 def send_step(comm: TPComm, batch: ForwardBatch, logit_rows: torch.Tensor) -> None:
@@ -44,24 +63,45 @@ def send_step(comm: TPComm, batch: ForwardBatch, logit_rows: torch.Tensor) -> No
              logit_rows.to(dev), *table]
     payload = torch.cat([p.to(torch.int64) for p in parts])
     mode = 1 if batch.mode is ForwardMode.DECODE else 0
-    header = torch.tensor([RUN, mode, batch.num_tokens, batch.batch_size, logit_rows.numel(),
+    header = torch.tensor([FORWARD, mode, batch.num_tokens, batch.batch_size, logit_rows.numel(),
                            sum(batch.seq_lens_cpu)], dtype=torch.int64, device=dev)
     comm.broadcast_(header)
     comm.broadcast_(payload)
+
+
+def send_kv_copy(comm: TPComm, copy: KVCopy, device: torch.device) -> None:
+    """Rank 0: announce a copy of ``copy.slots`` (the gather or scatter follows, ``tp_kv.py``)."""
+    slots = copy.slots.to(device, torch.int64)
+    header = torch.tensor([KV_WRITE if copy.write else KV_READ, slots.numel(), 0, 0, 0, 0], dtype=torch.int64,
+                          device=device)
+    comm.broadcast_(header)
+    comm.broadcast_(slots.contiguous())
 
 
 def send_stop(comm: TPComm, device: torch.device) -> None:
     comm.broadcast_(torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.int64, device=device))
 
 
-def recv_step(comm: TPComm, kv: KVStorage, req_to_token: torch.Tensor) -> StepData | None:
-    """Ranks 1..N-1: the next step's batch over ``kv`` (None: stop). Writes the batch's page-table rows
-    into ``req_to_token`` (the rank's mirror of rank 0's table)."""
+def recv_op(comm: TPComm, kv: KVStorage, req_to_token: torch.Tensor) -> StepData | KVCopy | None:
+    """Ranks 1..N-1: the next operation, a forward step over ``kv`` or a KV copy (None: stop)."""
     dev = req_to_token.device
     header = comm.broadcast_(torch.zeros(HEADER, dtype=torch.int64, device=dev))
-    cmd, mode, t, b, n_logits, n_table = header.tolist()
-    if cmd == STOP:
+    op, *sizes = header.tolist()
+    if op == STOP:
         return None
+    if op in (KV_READ, KV_WRITE):
+        slots = comm.broadcast_(torch.empty(sizes[0], dtype=torch.int64, device=dev))
+        return KVCopy(op == KV_WRITE, slots)
+    if op != FORWARD:
+        raise RuntimeError(f"unknown tensor-parallel operation {op}")
+    return _recv_step(comm, kv, req_to_token, *sizes)
+
+
+def _recv_step(comm: TPComm, kv: KVStorage, req_to_token: torch.Tensor, mode: int, t: int, b: int, n_logits: int,
+               n_table: int) -> StepData:
+    """A forward step's batch over ``kv``. Writes the batch's page-table rows into ``req_to_token`` (the
+    rank's mirror of rank 0's table)."""
+    dev = req_to_token.device
     payload = comm.broadcast_(torch.empty(3 * t + 3 * b + n_logits + n_table, dtype=torch.int64, device=dev))
     ids, positions, out_loc, rows, prefix, extend, logit_rows, table = torch.split(
         payload, [t, t, t, b, b, b, n_logits, n_table])

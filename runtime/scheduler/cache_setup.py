@@ -28,7 +28,7 @@ def make_cache(args: ServerArgs, runner: Any, event_sink: Any = None) -> PrefixC
         return NaiveCache(runner.allocator, runner.req_to_token)
     if not args.enable_hierarchical_cache:
         return RadixCache(runner.allocator, runner.req_to_token, args.eviction_policy, event_sink)
-    kv = runner.kv
+    kv = runner.kv_pages  # every KV head, whatever the tensor-parallel split: the tiers hold unsplit pages
     size = int(args.hicache_size * GB) if args.hicache_size > 0 else None
     tokens = host_capacity_tokens(runner.allocator.capacity, kv.page_size, kv.shape,
                                   ratio=None if size else args.hicache_ratio, size_bytes=size)
@@ -54,7 +54,7 @@ def open_disk_tier(args: ServerArgs, runner: Any) -> DiskTier:
         store = DiskKVStore(args.hicache_storage_dir, fp, capacity)
     except DiskTierError as e:
         raise ValueError(f"--hicache-storage-dir {args.hicache_storage_dir}: {e}") from e
-    disk = DiskTier(store, runner.kv.shape, runner.kv.page_size)
+    disk = DiskTier(store, runner.kv_pages.shape, runner.kv_pages.page_size)
     logger.info("disk KV tier: %s holds %d blocks (%.1f MB) for this model; blocks of %d tokens, capacity %s",
                    store.directory, len(store), store.bytes_used / 2**20, disk.block_tokens,
                    f"{args.hicache_storage_size} GB" if capacity else "unbounded")
@@ -67,7 +67,7 @@ def kv_fingerprint(args: ServerArgs, runner: Any) -> KVFingerprint:
     cfg = runner.hf_config
     if runner.random_weights:
         # no files: the weights are drawn from the seed, on the device (CPU and CUDA draw differently)
-        text = f"{args.model}|seed={args.random_seed}|{runner.device.type}|{dtype_name(runner.kv.shape.dtype)}"
+        text = f"{args.model}|seed={args.random_seed}|{runner.device.type}|{dtype_name(runner.kv_pages.shape.dtype)}"
         weights = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     else:
         weights = weights_digest([runner.model_path])
@@ -75,15 +75,20 @@ def kv_fingerprint(args: ServerArgs, runner: Any) -> KVFingerprint:
         tokenizer = tokenizer_digest(args.tokenizer or runner.model_path)
     except FileNotFoundError:
         tokenizer = "none"  # a tokenizer kept inside the weights (GGUF) is covered by their digest
-    shape = runner.kv.shape
+    shape = runner.kv_pages.shape  # every KV head: blocks are the same at any tensor-parallel size
     # numerics that change the KV bits without changing the model: a deterministic server must only read KV
     # that deterministic kernels computed, and int8 weights give other KV than float ones
     numerics = {"deterministic": bool(args.enable_deterministic_inference), "quantization": args.quantization,
                 "sliding_window": getattr(cfg, "sliding_window", None)}
+    # A row-parallel layer sums in tp pieces: KV differs across tp sizes by float rounding only, as it does
+    # across batch compositions, so blocks are shared between tp sizes, except where bits are promised
+    # (deterministic mode is batch-invariant, not tp-invariant) or the split changes the model (int8 scales
+    # are per shard).
+    tp_bound = args.enable_deterministic_inference or args.quantization != "none"
     return KVFingerprint(
         weights=weights,
         kv_dtype=dtype_name(shape.dtype),
-        page_size=runner.kv.page_size,
+        page_size=runner.kv_pages.page_size,
         num_layers=shape.num_layers,
         kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
@@ -92,5 +97,6 @@ def kv_fingerprint(args: ServerArgs, runner: Any) -> KVFingerprint:
         rope_scaling=canonical_json(getattr(cfg, "rope_scaling", None)),
         max_positions=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         attention=canonical_json(numerics),
+        tp_size=args.tp_size if tp_bound else 1,
         namespace="default",
     )

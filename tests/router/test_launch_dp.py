@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from router.launch_dp import worker_argv, worker_gpus
+from runtime.config import ServerArgs
 from tests.server_harness import ROOT, free_port, pid_alive
 
 # The wiring runtime/cli.py uses: ServerArgs flags + add_dp_args on the serve parser, then run_dp.
@@ -65,3 +68,22 @@ def test_dp_starts_workers_and_router_and_stops_cleanly(tiny_model_dir: Path) ->
 def test_dp_exits_nonzero_when_workers_cannot_start(tmp_path: Path) -> None:
     proc = launch("--model", str(tmp_path / "missing"), "--port", str(free_port()), "--dp", "2")
     assert proc.wait(120) != 0
+
+
+def test_each_worker_sees_its_own_gpus() -> None:
+    """``--dp N --tp M`` on CUDA: worker i's CUDA_VISIBLE_DEVICES holds GPUs i*M .. i*M+M-1 (its ranks' GPUs
+    0..M-1), by the names this process sees when it was given a list."""
+    assert worker_gpus(2, 2, 4, None) == ["0,1", "2,3"]
+    assert worker_gpus(2, 2, 8, None) == ["0,1", "2,3"]  # the rest stay free
+    assert worker_gpus(2, 3, 6, "5,4,3,2,1,0") == ["5,4,3", "2,1,0"]
+    assert worker_gpus(3, 1, 4, "1,3,5,7") == ["1", "3", "5"]
+    assert worker_gpus(2, 2, 0, None) is None  # CPU: nothing to divide
+    assert worker_gpus(1, 4, 4, None) is None  # one worker: its ranks take what it sees
+    assert worker_gpus(3, 1, 2, None) is None  # --tp 1 with fewer GPUs than workers: they share, as before
+    with pytest.raises(ValueError, match="--dp 2 --tp 2 needs 4 GPUs \\(one per rank\\), 3 visible"):
+        worker_gpus(2, 2, 3, None)
+
+
+def test_workers_inherit_the_tensor_parallel_size() -> None:
+    argv = worker_argv(ServerArgs(tp_size=2), model="m", port=1, served="m", num_threads=1, kv_events_port=None)
+    assert argv[argv.index("--tp-size") + 1] == "2"

@@ -86,8 +86,9 @@ def test_flag_alias_and_validation() -> None:
     assert "Tensor parallelism" in parser.format_help()
     with pytest.raises(ValueError, match="tp_size: must be >= 1"):
         ServerArgs(tp_size=0).validate()
-    with pytest.raises(ValueError, match="hierarchical-cache is not supported with tensor parallelism"):
-        ServerArgs(tp_size=2, enable_hierarchical_cache=True).validate()
+    # the memory hierarchy copies every rank's heads (tests/runtime/test_tensor_parallel_tiers.py)
+    ServerArgs(tp_size=2, enable_hierarchical_cache=True, hicache_storage_backend="file",
+               hicache_storage_dir="/tmp/kv").validate()
 
 
 def test_a_size_the_model_cannot_split_fails_before_any_rank_starts() -> None:

@@ -1,5 +1,7 @@
 """``radixserve serve --tp 2``: it serves, and a rank killed while it serves ends the server cleanly — new
-requests get 503, the server exits with status 1, and no process of it is left (ranks included)."""
+requests get 503, the server exits with status 1, and no process of it is left (ranks included).
+``--dp 2 --tp 2``: two workers of two ranks each behind the router give tp 1's greedy tokens, and stopping
+the launcher leaves no process of it (workers, their schedulers and ranks)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.conftest import checked_engine
+from tests.oracle import WITH_TOP2, assert_all_agree
 from tests.server_harness import ServerProcess, assert_kv_clean, pid_alive
 
 BASE = ["--tp", "2", "--dtype", "float32", "--max-total-tokens", "8192", "--log-level", "info"]
@@ -19,6 +23,15 @@ BASE = ["--tp", "2", "--dtype", "float32", "--max-total-tokens", "8192", "--log-
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
 
 
 def rank_pids(scheduler_pid: int) -> list[int]:
@@ -68,3 +81,38 @@ def test_killed_rank_gives_503_and_a_clean_exit(tiny_model_dir: Path) -> None:
         assert [p for p in everything if pid_alive(p)] == [], log
     finally:
         server.stop()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Here is a short story about a lighthouse keeper",
+           "Once upon a time"]
+SAMPLING = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def test_dp2_of_tp2_workers_give_tp1_tokens_and_stop_clean(tiny_model_dir: Path) -> None:
+    with checked_engine(tiny_model_dir, dtype="float32", max_total_tokens=4096) as eng:
+        reference = [eng.generate(p, SAMPLING, **WITH_TOP2) for p in PROMPTS]
+    args = ["--dp", "2", "--tp", "2", "--dtype", "float32", "--max-total-tokens", "4096",
+            "--router-policy", "round_robin"]
+    server = ServerProcess(str(tiny_model_dir), args).start()
+    everything: list[int] = []
+    try:
+        got = []
+        for p in PROMPTS:
+            r = httpx.post(server.url + "/generate", json={"text": p, "sampling_params": SAMPLING, **WITH_TOP2},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            got.append(r.json())
+        assert_all_agree(reference, got, "dp 2 x tp 2 through the router")
+        workers = httpx.get(server.url + "/workers", timeout=30).json()["workers"]
+        assert len(workers) == 2 and all(w["routed"] == 2 for w in workers), workers
+        for w in workers:
+            assert_kv_clean(w["url"])
+            scheduler = httpx.get(w["url"] + "/get_server_info", timeout=30).json()["scheduler_pid"]
+            assert len(rank_pids(scheduler)) == 1  # rank 1 beside the worker's scheduler, which is rank 0
+        assert server.proc is not None
+        everything = descendants(server.proc.pid)
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    time.sleep(0.5)
+    assert [p for p in everything if pid_alive(p)] == [], server.log()
