@@ -34,7 +34,8 @@ LDFLAGS = ["-fopenmp"]
 # only picks instructions, not arithmetic. fastcpu: multiply-adds may fuse (FMA), for speed.
 CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CFLAGS, "-ffp-contract=fast"]}
 # The translation units of each kernel set (headers beside them are part of every set's build key).
-SOURCES = {"invariant": ["invariant.cpp"], "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp"]}
+SOURCES = {"invariant": ["invariant.cpp"],
+           "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp", "fastcpu_bf16.cpp"]}
 
 
 class KernelBuildError(RuntimeError):

@@ -15,6 +15,9 @@
 // linear_int8 (fastcpu_int8.cpp): int8 weights times activations quantised per row block, with AVX512-VNNI
 //   integer dot products; built only for CPUs that have them (int8_vnni()).
 //
+// linear_bf16 (fastcpu_bf16.cpp): bf16 weights times bf16 activations with AVX512_BF16 dot products (two k
+//   values per instruction and lane, no widening of the weights); built only for CPUs that have them.
+//
 // Built with -O3 -march=native; 16-float GCC vector extensions compile to AVX-512 where the host has it and
 // to pairs of AVX2 instructions elsewhere. Unlike invariant.cpp, nothing here promises batch invariance.
 
@@ -265,6 +268,11 @@ bool int8_vnni();
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);
 
+// In fastcpu_bf16.cpp.
+bool bf16_dot();
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over paged KV read in place; (out, lse)");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
@@ -273,4 +281,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "x @ W.T (* scale) (+ bias) (+= out) over a packed weight");
   m.def("linear_int8", &linear_int8, "x @ W.T over VNNI-packed int8 weights, x quantised per row block");
   m.def("int8_vnni", &int8_vnni, "whether linear_int8 was built (the CPU has AVX512-VNNI)");
+  m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
+  m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
 }

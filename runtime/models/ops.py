@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from runtime.config import cpu_flags
 from runtime.models.layers import apply_rotary, rms_norm
 from runtime.models.packed import PackedWeight, pack_weight, unpack_weight
 
@@ -114,6 +115,11 @@ class InvariantOps:
 # runs, over the unpacked weight (int8: over a dequantised copy made per call). int8 with VNNI has no limit:
 # linear_int8 beat the dequantised GEMM at every size measured (1..512 rows; dequantising alone costs more).
 SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
+# bf16 with bf16 dot products (linear_bf16, CPUs with AVX512_BF16) on a CPU without AMX: oneDNN's bf16 GEMMs there
+# use the same dot products, and linear_bf16 beat them at every size measured up to 32 rows (one core of an
+# AVX-512 AMD host: 14.4 vs 37 ms for all of SmolLM2's linear layers at 4 rows, 18 vs 41 at 8, 52 vs 70 at 32).
+# With AMX the limit above stands (oneDNN's tile kernels; not re-measured against linear_bf16).
+BF16_DOT_SMALL_M = 32
 # Activation block of linear_int8: one int8 scale per 32 k values of a row (a multiple of 16; 0 = one per row).
 # `radixserve bench quality` on SmolLM2-135M (perplexity vs fp32 / greedy tokens agreeing): one scale per row
 # +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
@@ -128,7 +134,9 @@ class PackedCpuOps(TorchOps):
 
     int8 runs ``linear_int8`` (activations quantised per row block, integer dot products) where the kernels
     were built for AVX512-VNNI, at every batch size; elsewhere (or with ``int8_kernel="float"``) weight-only
-    int8 through ``linear_packed``, which converts each weight to fp32. The packed copies are keyed by the
+    int8 through ``linear_packed``, which converts each weight to fp32. bfloat16 runs ``linear_bf16`` (bf16 dot
+    products, two k values per instruction) where the kernels were built for AVX512_BF16, else ``linear_packed``
+    (each weight widened to fp32); above ``small_m`` rows oneDNN's GEMMs run. The packed copies are keyed by the
     identity of the model's weight parameters, so the model code stays the same for every format. With int8
     the model's own copy of each packed weight is released after packing (only the int8 panels stay in memory).
     """
@@ -148,6 +156,9 @@ class PackedCpuOps(TorchOps):
             raise ValueError(f"int8 kernel {int8_kernel!r} is not available here (choose from {INT8_KERNELS}; "
                              "vnni needs a CPU with AVX512-VNNI)")
         self.vnni = weight_format == "int8" and int8_kernel == "vnni"
+        self.bf16_dot = weight_format == "bfloat16" and self.k.bf16_dot()
+        if self.bf16_dot and "amx_bf16" not in cpu_flags():
+            self.small_m = BF16_DOT_SMALL_M
         self.act_block = act_block
         self.packed: dict[int, PackedWeight] = {}
 
@@ -160,7 +171,7 @@ class PackedCpuOps(TorchOps):
 
     def pack(self, weights: list[torch.Tensor], release: bool) -> None:
         """Pack each ``[N, K]`` weight; ``release`` frees the model's own copy (the panels stand for it)."""
-        layout = "vnni" if self.vnni else "kmajor"
+        layout = "vnni" if self.vnni else "bf16pair" if self.bf16_dot else "kmajor"
         for w in weights:
             self.packed[id(w)] = pack_weight(w.detach(), self.weight_format, layout)
             if release:
@@ -181,6 +192,8 @@ class PackedCpuOps(TorchOps):
         if pw.layout == "vnni":
             assert pw.scale is not None
             return self.k.linear_int8(xf, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
+        if pw.layout == "bf16pair":
+            return self.k.linear_bf16(xf, pw.data, pw.out_features, b, out) if x.shape[0] <= self.small_m else None
         if x.shape[0] <= self.small_m:
             return self.k.linear_packed(xf, pw.data, pw.out_features, pw.scale, b, out)
         if self.weight_format != "int8":

@@ -9,6 +9,10 @@ Layout ``"vnni"`` (``linear_int8``, int8 on CPUs with AVX512-VNNI): the same int
 as uint8 ``q + 128`` in ``[ceil(N/64), ceil(K/4), 256]``: per panel and group of 4 consecutive k, the 64
 columns' 4 values side by side, so one 64-byte vector is 16 columns x 4 k, the operand of ``vpdpbusd``
 (unsigned x signed bytes; the +128 is undone per activation row in the kernel). Padding holds 128 (weight 0).
+
+Layout ``"bf16pair"`` (``linear_bf16``, bfloat16 on CPUs with AVX512_BF16): ``[ceil(N/64), ceil(K/2), 128]``
+bfloat16: per panel and pair of consecutive k, the 64 columns' two values side by side, so one 64-byte vector
+is 16 columns x 2 k, the operand of ``vdpbf16ps``. Padding holds zeros.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import torch
 
 PANEL = 64
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8")
-LAYOUTS = ("kmajor", "vnni")
+LAYOUTS = ("kmajor", "vnni", "bf16pair")
 
 
 @dataclass
 class PackedWeight:
-    # kmajor: [ceil(N/64), K, 64] float32 | bfloat16 | int8; vnni: [ceil(N/64), ceil(K/4), 256] uint8
+    # kmajor: [ceil(N/64), K, 64] float32 | bfloat16 | int8; vnni: [ceil(N/64), ceil(K/4), 256] uint8;
+    # bf16pair: [ceil(N/64), ceil(K/2), 128] bfloat16
     data: torch.Tensor
     scale: torch.Tensor | None  # [N] float32 for int8
     out_features: int
@@ -49,8 +54,9 @@ def pack_weight(weight: torch.Tensor, fmt: str, layout: str = "kmajor") -> Packe
     int8 only)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if layout not in LAYOUTS or (layout == "vnni" and fmt != "int8"):
-        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS} for {fmt} (vnni is int8 only)")
+    if layout not in LAYOUTS or (layout == "vnni" and fmt != "int8") or (layout == "bf16pair" and fmt != "bfloat16"):
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS} for {fmt} (vnni is int8 only, bf16pair "
+                         "bfloat16 only)")
     n, k = weight.shape
     scale = None
     if fmt == "int8":
@@ -65,6 +71,13 @@ def pack_weight(weight: torch.Tensor, fmt: str, layout: str = "kmajor") -> Packe
         panels = padded // PANEL
         data = offset.view(panels, PANEL, groups, 4).transpose(1, 2).reshape(panels, groups, 4 * PANEL)
         return PackedWeight(data.contiguous(), scale, n, k, layout)
+    if layout == "bf16pair":
+        pairs = -(-k // 2)
+        padded_values = values.new_zeros(padded, pairs * 2)
+        padded_values[:n, :k] = values
+        panels = padded // PANEL
+        data = padded_values.view(panels, PANEL, pairs, 2).transpose(1, 2).reshape(panels, pairs, 2 * PANEL)
+        return PackedWeight(data.contiguous(), None, n, k, layout)
     if padded != n:
         values = torch.cat([values, values.new_zeros(padded - n, k)])
     data = values.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
@@ -77,6 +90,10 @@ def unpack_weight(pw: PackedWeight) -> torch.Tensor:
         panels, groups, width = pw.data.shape
         q = pw.data.view(panels, groups, PANEL, 4).transpose(1, 2).reshape(panels * PANEL, groups * 4)
         w = q[: pw.out_features, : pw.in_features].float() - 128.0
+    elif pw.layout == "bf16pair":
+        panels, pairs, width = pw.data.shape
+        v = pw.data.view(panels, pairs, PANEL, 2).transpose(1, 2).reshape(panels * PANEL, pairs * 2)
+        w = v[: pw.out_features, : pw.in_features].float()
     else:
         panels, k, width = pw.data.shape
         w = pw.data.float().transpose(1, 2).reshape(panels * width, k)[: pw.out_features]

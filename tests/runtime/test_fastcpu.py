@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from runtime.attention.base import AttentionShape
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.config import ServerArgs, cpu_has_native_bf16
+from runtime.config import ServerArgs, cpu_flags, cpu_has_native_bf16
 from runtime.kernels.build import load_kernels
 from runtime.models.ops import PackedCpuOps, dequantize
 from runtime.models.packed import pack_weight, quantize_int8, unpack_weight
@@ -165,6 +165,52 @@ def test_vnni_linear_equals_the_quantised_product(k, kdim, n, block):
         expected = res.double() + ref
         k.linear_int8(x, pw.data, n, pw.scale, None, res, block)
         assert ((res.double() - expected).abs() <= 1e-5 * scale + 1e-5).all(), m
+
+
+requires_bf16_dot = pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(),
+                                       reason="linear_bf16 is built only for CPUs with AVX512_BF16")
+
+
+@requires_bf16_dot
+@pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (5, 3), (1537, 130)])
+def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
+    """Every row count 1..33 (row blocks of 1..6, several blocks), odd K (a padded last pair) and N (a partial
+    panel), with and without bias and residual: the kernel multiplies the activations rounded to bf16 by the
+    bf16 weights, summing in fp32, so it equals the float64 product of those operands up to fp32 rounding."""
+    g = torch.Generator().manual_seed(kdim * n)
+    w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
+    pw = pack_weight(w, "bfloat16", "bf16pair")
+    assert pw.data.shape == (-(-n // 64), -(-kdim // 2), 128) and pw.data.dtype == torch.bfloat16
+    w_bf16 = unpack_weight(pw)
+    assert torch.equal(w_bf16, w.bfloat16().float()), "the same values as the k-major layout holds"
+    for m in range(1, 34):
+        x = torch.randn(m, kdim, generator=g)
+        xb = x.bfloat16().double()  # what the kernel multiplies (round to nearest even)
+        ref = xb @ w_bf16.double().T
+        size = xb.abs() @ w_bf16.double().abs().T  # the size of the terms summed
+        got = k.linear_bf16(x, pw.data, n, b, None)
+        assert ((got.double() - b.double() - ref).abs() <= 2e-6 * size + 1e-6).all(), m
+        res = torch.randn(m, n, generator=g)
+        expected = res.double() + ref
+        k.linear_bf16(x, pw.data, n, None, res)
+        assert ((res.double() - expected).abs() <= 2e-6 * size + 1e-6).all(), m
+
+
+def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
+    """bf16 weights are packed for linear_bf16 where the kernels have it (and then serve decode batches up to
+    BF16_DOT_SMALL_M rows without AMX), else k-major for the widening kernel; both give the bf16 product."""
+    from runtime.models.ops import BF16_DOT_SMALL_M, SMALL_M
+
+    model = TinyModel()
+    ops = PackedCpuOps("bfloat16")
+    ops.prepare(model)
+    dot = load_kernels("fastcpu").bf16_dot()
+    assert ops.packed[id(model.layer)].layout == ("bf16pair" if dot else "kmajor")
+    amx = "amx_bf16" in cpu_flags()
+    assert ops.small_m == (BF16_DOT_SMALL_M if dot and not amx else SMALL_M["bfloat16"])
+    x = torch.randn(ops.small_m, 32).bfloat16().float()
+    w = model.layer.detach().bfloat16().float()
+    torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @requires_vnni

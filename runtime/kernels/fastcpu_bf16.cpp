@@ -1,0 +1,159 @@
+// linear_bf16: y = x @ W.T for bfloat16 weights with bf16 dot products (AVX512_BF16 vdpbf16ps: 32 bf16
+// multiply-adds per instruction, two k values per fp32 lane) instead of widening every weight to fp32.
+//
+// Why: widening a bf16 weight vector to fp32 costs two instructions (zero-extend, shift) besides the FMA, and
+// at several activation rows each widened weight feeds one FMA per row while the k loop advances one value
+// at a time; vdpbf16ps takes the weights as they are stored and advances two k values per instruction.
+//
+// Numerics: the activations are rounded to bf16 (round to nearest even) — exact when the model runs in bf16,
+// which is when this kernel is used, since its activations are bf16 tensors already; the products of each k
+// pair are summed in fp32 (the instruction's own rounding) into fp32 accumulators. Not bit-equal to
+// linear_packed's fp32 FMAs, which nothing promises (deterministic mode runs its own kernels).
+//
+// Layout (packed.py, "bf16pair"): bf16 [ceil(N/64), ceil(K/2), 128]: per panel of 64 output columns and per
+// pair of consecutive k, the 64 columns' two values side by side, so one 512-bit vector is 16 columns x 2 k:
+// vdpbf16ps's operand. Padding (k past K, columns past N) holds zeros.
+//
+// Built only where the compiler targets AVX512_BF16 (-march=native on such a host); bf16_dot() tells.
+
+#include "fastcpu_vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define FASTCPU_BF16_DOT 1
+#endif
+
+namespace {
+
+#ifdef FASTCPU_BF16_DOT
+
+constexpr int64_t kPanel = 64;
+constexpr int64_t kPairElems = kPanel * 2;  // bf16 values of one k pair of a panel (256 bytes)
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the panel is fetched
+
+// The activation rows as bf16 pairs: [M, ceil(K/2)] 32-bit words (zero past K).
+std::vector<uint32_t> pair_rows(const float* x, int64_t ldx, int64_t m, int64_t k) {
+  const int64_t pairs = (k + 1) / 2;
+  std::vector<uint32_t> out(m * pairs + 16, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * ldx;
+    uint32_t* o = out.data() + r * pairs;
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {  // 32 floats -> 16 pairs: cvtne2ps puts its second operand in the low half
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i));
+      _mm512_storeu_si512(o + i / 2, (__m512i)v);
+    }
+    for (; i < k; ++i) {
+      const __m128bh one = _mm_cvtneps_pbh(_mm_set1_ps(xr[i]));
+      uint16_t bits;
+      std::memcpy(&bits, &one, 2);
+      o[i / 2] |= static_cast<uint32_t>(bits) << (16 * (i % 2));
+    }
+  }
+  return out;
+}
+
+// MR rows x the panel's 64 columns (4 vectors of 16).
+template <int MR>
+inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, float* y, int64_t ldy, int64_t cn,
+                 const float* bias, bool accumulate) {
+  constexpr int NV = 4;
+  __m512 acc[MR][NV];
+  for (int a = 0; a < MR; ++a)
+    for (int v = 0; v < NV; ++v) acc[a][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < pairs; ++g) {
+    const uint16_t* wg = panel + g * kPairElems;
+    const char* ahead = reinterpret_cast<const char*>(wg) + kPrefetchBytes;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wg + 32 * v);
+    for (int a = 0; a < MR; ++a) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[a * pairs + g]));
+      for (int v = 0; v < NV; ++v) acc[a][v] = _mm512_dpbf16_ps(acc[a][v], w[v], xb);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t col = 16 * v, left = cn - col;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int a = 0; a < MR; ++a) {
+      float* yr = y + a * ldy + col;
+      __m512 val = _mm512_add_ps(acc[a][v], bi);
+      if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask, yr));
+      _mm512_mask_storeu_ps(yr, mask, val);
+    }
+  }
+}
+
+// Rows come in blocks of up to 6, each taking the whole panel width in one pass (24 accumulators, 4 weight
+// vectors and a broadcast fit the 32 vector registers), so each weight vector is loaded once per block. Blocks
+// of 8 rows in two half-width passes measured slower at 6, 8 and 12 rows (one core, SmolLM2's shapes).
+void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_t* packed, const float* bias,
+                      float* y, int64_t ldy, int64_t n, bool accumulate) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = packed + p * pairs * kPairElems;
+      const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
+      const float* bp = bias ? bias + c0 : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += 6) {
+        const uint32_t* xr = xp + r0 * pairs;
+        float* yr = y + r0 * ldy + c0;
+        switch (std::min<int64_t>(6, m - r0)) {
+          case 6: tile<6>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          case 5: tile<5>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          case 4: tile<4>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          case 3: tile<3>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          case 2: tile<2>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          default: tile<1>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+        }
+      }
+    }
+  });
+}
+
+#endif  // FASTCPU_BF16_DOT
+
+}  // namespace
+
+bool bf16_dot() {
+#ifdef FASTCPU_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y = x @ W.T (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/2), 128] bfloat16), x fp32 [M, K].
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> out) {
+#ifdef FASTCPU_BF16_DOT
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+              "x must be float32 [M, K] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
+              packed.size(1) == pairs && packed.size(2) == kPairElems && packed.size(0) * kPanel >= n,
+              "packed weight must be bfloat16 [ceil(N/64), ceil(K/2), 128]");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  torch::Tensor y;
+  if (out.has_value()) {
+    y = *out;
+    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                y.stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
+  } else {
+    y = torch::empty({m, n}, x.options());
+  }
+  if (m == 0) return y;
+  const std::vector<uint32_t> xp = pair_rows(x.data_ptr<float>(), x.stride(0), m, k);
+  linear_bf16_impl(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
+                   y.data_ptr<float>(), y.stride(0), n, out.has_value());
+  return y;
+#else
+  TORCH_CHECK(false, "linear_bf16 needs AVX512_BF16 (this build targets a CPU without it)");
+  return x;
+#endif
+}
