@@ -45,7 +45,8 @@ from runtime.core.messages import AbortCause, FinishReason, ReqOutput, Scheduler
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
-from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan, never_fits
+from runtime.request.intake import Limits, length_refusal
+from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.cache_setup import make_cache
 from runtime.scheduler.emit import emit_tokens
@@ -83,6 +84,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
+        self.limits = Limits(runner.vocab_size, runner.context_length, runner.allocator.capacity,
+                             args.max_running_requests)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -98,13 +101,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
+        refusal = length_refusal(len(msg.input_ids), msg.sampling.max_new_tokens, self.limits)
+        assert refusal is None, f"request {msg.rid} skipped the intake (runtime.request.intake.prepare): {refusal}"
         req = Req.from_message(msg, seed=self.rng.getrandbits(63), eos_ids=self.eos_ids)
         req.spec = self.spec.new_state() if self.spec is not None else None
-        # a guard for a direct submit (tests, tools): the APIs' intake refuses these before they are sent
-        error = never_fits(len(req.input_ids), self.runner.context_length, self.runner.allocator.capacity)
-        if error:
-            self._finish_early(req, FinishReason("abort", message=error, cause=AbortCause.INVALID))
-            return
         if req.sampling.grammar is not None:
             self.grammars.add(req)
         else:
