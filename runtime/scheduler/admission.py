@@ -19,6 +19,7 @@ computing it again. ``n > 1`` samples of one prompt go through the same path and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -27,6 +28,13 @@ from runtime.scheduler.req import Req
 
 RESERVE_CLIP = 4096  # most future tokens reserved for one request
 DEDUP_MIN_TOKENS = 32  # shared uncached tokens that make deferring worthwhile
+
+
+def decode_would_retract(running: Iterable[Req], cache: PrefixCache) -> bool:
+    """Whether giving each of ``running`` its next token's slot needs more than the available memory (a
+    request whose KV ends on a page boundary needs a new page): then the step retracts."""
+    ps = cache.page_size
+    return sum(ps for r in running if r.kv_len % ps == 0) > cache.available_size
 
 
 class NewTokenRatio:
