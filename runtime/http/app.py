@@ -66,7 +66,7 @@ async def _watch(tm: TokenizerManager, check: Callable[[], str | None],
     progress = ProgressWatch(tm.args.watchdog_timeout)
     while True:
         await asyncio.sleep(WATCH_INTERVAL)
-        reason = check() or progress.check(len(tm.handles), tm.status, tm.status_time, time.monotonic())
+        reason = check() or progress.check(tm.pending, tm.status, tm.status_time, time.monotonic())
         if reason is not None:
             logger.error("%s; failing pending requests with 503 and shutting down", reason)
             tm.mark_dead(reason)

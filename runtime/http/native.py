@@ -8,6 +8,7 @@ Streams follow what SGLang's frontend (``sglang.lang``'s RuntimeEndpoint) reads:
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.core.messages import FlushCacheQuery, ServerInfoQuery
-from runtime.core.sampling_params import SamplingParams
 from runtime.http.common import tm_of
 from runtime.http.delivery import (
     DONE,
@@ -29,8 +29,8 @@ from runtime.http.delivery import (
 )
 from runtime.http.errors import APIError, abort_status, check_types, error_response, parse_json
 from runtime.http.native_protocol import GenerateRequest
-from runtime.request.intake import SingleRequest, from_native, reject_unsupported
-from runtime.request.state import RequestState
+from runtime.request.intake import from_native, reject_unsupported
+from runtime.request.state import RequestState, StreamPacer
 from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
 
 router = APIRouter()
@@ -75,17 +75,14 @@ def native_result(state: RequestState, handle: ReqHandle, token_text: Any, outpu
 async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool,
                   token_text: Any, prompt_ids: bool) -> AsyncIterator[bytes]:
     sent_logprobs = [0] * len(handles)  # output logprobs already sent, per request
-    sent_tokens = [-1] * len(handles)  # completion tokens at the last frame (-1: no frame yet)
+    pacers = [StreamPacer(h.single.sampling.stream_interval) for h in handles]
     try:
         async for i, state in merged_updates(handles):
             s = handles[i].single
-            interval = s.sampling.stream_interval
-            if (interval is not None and state.finished is None and sent_tokens[i] >= 1
-                    and state.completion_tokens - sent_tokens[i] < interval):
-                continue  # the first frame goes out at once, then one per ``interval`` tokens
+            if not pacers[i].due(state):
+                continue
             frame = native_result(state, handles[i], token_text, sent_logprobs[i])
             sent_logprobs[i] = len(state.output_logprobs)
-            sent_tokens[i] = state.completion_tokens
             if prompt_ids:
                 frame["prompt_token_ids"] = list(s.input_ids or [])
             if is_batch:
@@ -139,13 +136,14 @@ async def health_generate(request: Request) -> Response:
     tm = tm_of(request)
     if tm.dead:
         return error_response(503, f"unhealthy: {tm.dead}")
-    single = SingleRequest(rid=f"health-{id(request)}", text=None, input_ids=[tm.tokenizer.eos_token_id or 0],
-                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
-    handle = await tm.submit(single)
+    # one token through the same intake as every request; a probe is not held to the queue bound
+    call = from_native({"input_ids": [tm.tokenizer.eos_token_id or 0], "rid": f"health-{uuid.uuid4().hex}",
+                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}, tm.limits.max_n)
+    (handle,) = await submit_all(tm, call.requests, bounded=False)
     try:
         await asyncio.wait_for(handle.result(), 60)
     except asyncio.TimeoutError:
-        await tm.abort(single.rid)
+        await tm.abort(handle.rid)
         return error_response(503, "unhealthy: no token generated within 60 s")
     return json_response({"status": "ok"})
 

@@ -179,7 +179,7 @@ def _pick(value: Any, i: int, n: int, name: str) -> Any:
 def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[str] | list[list[int]]]:
     """(is a batch, the prompts) of ``text`` or ``input_ids``."""
     if (text is None) == (input_ids is None):
-        raise IntakeError("text", "give exactly one of text and input_ids")
+        raise IntakeError("text", "give exactly one of a text prompt and input_ids")
     if text is not None:
         if isinstance(text, str):
             return False, [text]
