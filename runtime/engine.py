@@ -2,11 +2,16 @@
 
 The scheduler runs on a background thread: the same Scheduler and the same ``SchedulerLoop`` the server's
 scheduler process runs, over an in-process queue transport instead of ZMQ sockets
-(``runtime/server/transports.py``). The front half is the server's too: the same intake
-(``runtime.request.intake``), a ``RequestTracker`` of handles, and each request's ``DecodeStream``, run on
-its caller's thread as the server's detokenizer process runs it. Control calls are the server's typed
-control queries. ``generate`` may be called from many threads at once and each call waits only for its own
-requests. Results are SGLang-native dicts: ``{"text", "output_ids", "meta_info"}``.
+(``runtime/server/transports.py``). The front half is the server's too: the same ``RequestFront``
+(``runtime.request.front``: ``max_queued_requests``, the intake, each request's ``timeout`` or the Engine's
+``request_timeout``), and each request's ``DecodeStream``, run on its caller's thread as the server's
+detokenizer process runs it. Control calls are the server's typed control queries. ``generate`` may be called
+from many threads at once and each call waits only for its own requests. Results are SGLang-native dicts:
+``{"text", "output_ids", "meta_info"}``.
+
+Where the server answers an HTTP status the Engine raises: an ``IntakeError`` (a ValueError naming the field as
+``generate`` names it: ``prompt``, not /generate's ``text``) for a refused request, ``QueueFull`` when the
+waiting queue is at ``max_queued_requests``, ``RequestTimeout`` for a request past its timeout.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from runtime.config import ServerArgs
-from runtime.core.errors import IntakeError
+from runtime.core.errors import IntakeError, fields_named
 from runtime.core.messages import (
     AbortRequest,
     ControlQuery,
@@ -31,13 +36,17 @@ from runtime.core.messages import (
 from runtime.executor.model_runner import ModelRunner
 from runtime.models.loader import load_tokenizer
 from runtime.models.tokenizer import eos_token_ids
-from runtime.request.intake import Limits, SingleRequest, from_native, prepare
-from runtime.request.tracker import DecodingHandle, RequestTracker
+from runtime.request.front import RequestFront, rejection, thread_timer
+from runtime.request.intake import SingleRequest, from_native
+from runtime.request.state import StreamPacer
+from runtime.request.tracker import DecodingHandle
 from runtime.scheduler.scheduler import Scheduler
 from runtime.server.scheduler_loop import InspectQuery, SchedulerLoop
 from runtime.server.transports import QueueTransport
 
 logger = logging.getLogger(__name__)
+# The runtime's field names -> generate()'s (its prompt is ``prompt`` where /generate's is ``text``)
+ENGINE_NAMES = {"text": "prompt"}
 
 
 class _Call(DecodingHandle):
@@ -88,10 +97,11 @@ class Engine:
         self.tokenizer = load_tokenizer(self.args.tokenizer or self.runner.model_path)
         eos = eos_token_ids(self.tokenizer, self.runner.hf_config, self.runner.model_path)
         self.scheduler = on_short_lived_thread(lambda: Scheduler(self.args, self.runner, self.tokenizer, eos))
-        self.limits = Limits(self.runner.vocab_size, self.runner.context_length, self.runner.allocator.capacity,
-                             self.args.max_running_requests)
-        self._calls: RequestTracker[_Call] = RequestTracker()
         self._transport = QueueTransport(self._route)
+        self.front: RequestFront[_Call] = RequestFront(
+            self.scheduler.limits, self.tokenizer, max_queued_requests=self.args.max_queued_requests,
+            request_timeout=self.args.request_timeout, start_timer=thread_timer, send_abort=self._transport.send,
+            status=lambda: self._transport.last_status)
         self._loop = SchedulerLoop(self.scheduler, self._transport)
         self._stopped = False
         self._error: BaseException | None = None
@@ -111,26 +121,37 @@ class Engine:
         rid: str | list[str] | None = None,
         cache_salt: str | list[str] | None = None,
         stream: bool = False,
+        priority: int | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Generate for a prompt, a list of prompts, or token ids.
 
         Returns one dict for a single sequence, a list for a batch or ``n > 1``, or (``stream=True``,
-        single sequence only) an iterator of dicts whose ``text`` is cumulative.
-        Invalid arguments raise ValueError (an IntakeError) naming the field, before anything is queued.
+        single sequence only) an iterator of dicts whose ``text`` is cumulative (one per
+        ``sampling_params["stream_interval"]`` new tokens when set, the last always). ``priority``: higher runs
+        first with ``enable_priority_scheduling``; ``timeout``: seconds, past which the request is aborted and
+        ``RequestTimeout`` raised (default: the Engine's ``request_timeout``).
+        Invalid arguments raise ValueError (an IntakeError) naming the field, and a full waiting queue
+        ``QueueFull``, before anything is queued.
         """
-        # the same intake as /generate, whose body carries these names
-        call = from_native({"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "rid": rid,
-                            "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-                            "top_logprobs_num": top_logprobs_num, "cache_salt": cache_salt, "stream": stream},
-                           self.limits.max_n)
-        if stream and len(call.requests) != 1:
-            raise IntakeError("stream", "streaming takes a single prompt with n = 1")
-        calls = [self._prepare(s) for s in call.requests]
+        with fields_named(ENGINE_NAMES):
+            # the same intake as /generate, whose body carries these names
+            call = from_native({"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+                                "rid": rid, "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                                "top_logprobs_num": top_logprobs_num, "cache_salt": cache_salt, "stream": stream,
+                                "priority": priority, "timeout": timeout}, self.front.limits.max_n)
+            if stream and len(call.requests) != 1:
+                raise IntakeError("stream", "streaming takes a single prompt with n = 1")
+            self.front.admit(call.requests)
+        calls = [_Call(s, self.tokenizer) for s in call.requests]
         if stream:
             return self._stream(calls[0], return_text_in_logprobs)
-        for c in calls:
-            self._send(c)
+        self._send_all(calls)
         results = [self._wait(c, return_text_in_logprobs) for c in calls]
+        for c in calls:  # as a call over HTTP: one request that ended in an error makes the call that error
+            error = rejection(c.state.finished)
+            if error is not None:
+                raise error
         return results if call.is_batch else results[0]
 
     def abort(self, rid: str) -> None:
@@ -160,14 +181,22 @@ class Engine:
         self.shutdown()
 
     # ------------------------------------------------------------------ helpers
-    def _prepare(self, single: SingleRequest) -> _Call:
-        prepare(single, lambda text: list(self.tokenizer(text).input_ids), self.limits)
-        return _Call(single, self.tokenizer)
-
     def _send(self, call: _Call) -> None:
         self._check_alive()
-        self._calls.add(call)  # raises for a rid in use, or once the scheduler thread has died
+        self.front.track(call)  # raises for a rid in use, or once the scheduler thread has died
         self._transport.send(call.single.message())
+
+    def _send_all(self, calls: list[_Call]) -> None:
+        """Send a call's requests; if one cannot be sent, abort those that were (nobody will wait for them)."""
+        sent: list[_Call] = []
+        try:
+            for c in calls:
+                self._send(c)
+                sent.append(c)
+        except BaseException:
+            for c in sent:
+                self.abort(c.single.rid)
+            raise
 
     def _wait(self, call: _Call, text_in_logprobs: bool) -> dict[str, Any]:
         while call.state.finished is None:
@@ -176,10 +205,15 @@ class Engine:
 
     def _stream(self, call: _Call, text_in_logprobs: bool) -> Iterator[dict[str, Any]]:
         self._send(call)
+        pacer = StreamPacer(call.single.sampling.stream_interval)
         try:
             while call.state.finished is None:
                 call.next_update()
-                yield self._result(call, text_in_logprobs)
+                error = rejection(call.state.finished)
+                if error is not None:
+                    raise error
+                if pacer.due(call.state):
+                    yield self._result(call, text_in_logprobs)
         finally:
             if call.state.finished is None:
                 self.abort(call.single.rid)
@@ -221,12 +255,12 @@ class Engine:
             self._error = exc
             refusal = RuntimeError("the Engine's scheduler thread has stopped")
             refusal.__cause__ = exc  # for a request registered after this (``_send`` checks first)
-            for call in self._calls.close(refusal):
+            for call in self.front.fail_all(refusal):
                 call.updates.put(exc)
 
     def _route(self, outputs: list[ReqOutput]) -> None:
         """One step's outputs to their requests' handles (on the scheduler thread; the callers detokenize)."""
         for out in outputs:
-            call = self._calls.route(out)
+            call = self.front.route(out)  # a finished request's deadline stops here
             if call is not None:
                 call.updates.put(out)

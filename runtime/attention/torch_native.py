@@ -119,10 +119,6 @@ class TorchNativeBackend(AttentionBackend):
         out = buf[:size].view(rows, cols)
         return torch.index_select(pool, 0, index, out=out)
 
-    def release_workspace(self) -> None:
-        """Drop the gather buffers (they grow to the largest batch seen); they are rebuilt on demand."""
-        self._workspace.clear()
-
     def _decode_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor,
                    dec: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode group's padded K and V as ``[B, Hkv, L, D]`` views of the workspace."""

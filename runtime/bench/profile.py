@@ -97,11 +97,10 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
     """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
     from runtime.bench.workloads import make_workload
     from runtime.config import ServerArgs
-    from runtime.core.messages import TokenizedRequest
-    from runtime.core.sampling_params import SamplingParams
     from runtime.executor.model_runner import ModelRunner
     from runtime.models.loader import load_tokenizer
-    from runtime.models.tokenizer import eos_token_ids
+    from runtime.models.tokenizer import eos_token_ids, tokenize
+    from runtime.request.intake import SingleRequest, from_native, prepare
     from runtime.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model=model, num_threads=threads or None, log_level="warning").resolve()
@@ -109,11 +108,17 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
     tokenizer = load_tokenizer(args.tokenizer or runner.model_path)
     sched = Scheduler(args, runner, tokenizer, eos_token_ids(tokenizer, runner.hf_config, runner.model_path))
     wl = make_workload("fewshot", overrides={"questions": batch * repeats})
-    prompts = [list(tokenizer(r["body"]["prompt"]).input_ids) for r in wl["requests"]]
-    sp = SamplingParams(max_new_tokens=decode_steps + 8, temperature=0.0, ignore_eos=True)
+    sampling = {"max_new_tokens": decode_steps + 8, "temperature": 0.0, "ignore_eos": True}
+    # through the intake, as every API's requests: the scheduler only asserts what it checks
+    singles: list[SingleRequest] = []
+    for i, r in enumerate(wl["requests"]):
+        (single,) = from_native({"text": r["body"]["prompt"], "rid": f"p{i}", "sampling_params": sampling},
+                                sched.limits.max_n).requests
+        prepare(single, lambda text: tokenize(tokenizer, text), sched.limits)
+        singles.append(single)
 
     def submit(i: int) -> None:
-        sched.submit(TokenizedRequest(f"p{i}", prompts[i], sp))
+        sched.submit(singles[i].message())
 
     scenarios: dict[str, list[dict[str, float]]] = {"cold prefill": [], "mixed": [], "decode": []}
     timed_step(sched)  # nothing queued: a no-op that imports what the first real step would
@@ -141,7 +146,7 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
         sched.step()  # hand the aborted requests' outputs back
         sched.flush_cache()  # the next repeat starts cold again
     result: dict[str, Any] = {"model": str(runner.model_path.name), "threads": threads, "batch": batch,
-                              "context_tokens": len(prompts[0]), "scenarios": {}}
+                              "context_tokens": len(singles[0].input_ids or []), "scenarios": {}}
     for name, steps in scenarios.items():
         if not steps:
             continue

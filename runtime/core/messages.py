@@ -24,8 +24,8 @@ class AbortCause(Enum):
 
     CLIENT = "client"  # its caller asked (abort_request, a disconnect, a sibling request of the call refused)
     TIMEOUT = "timeout"  # it ran past its deadline
-    INVALID = "invalid"  # it cannot run as given; the intake refuses such requests, so only a direct submit
-    #                      (or a grammar the compiler refuses after the intake's check passed) gets here
+    INVALID = "invalid"  # it cannot run as given: the intake refuses such requests, so only a grammar the
+    #                      compiler refuses after the intake's check passed gets here
     ERROR = "error"  # the runtime stopped it while it ran (e.g. a token the grammar refuses)
 
 

@@ -1,8 +1,10 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (SGLang's field names).
 
 ``from_dict`` accepts exactly SGLang's ``sampling_params`` object (every field of the current SGLang
-release; ``null`` means the default, as SGLang's clients send it); ``validate`` raises ValueError naming
-the offending field, so the HTTP layer can answer 400 and the Engine raises before anything is queued.
+release; ``null`` means the default, as SGLang's clients send it) and runs ``validate``, which raises
+ValueError naming the offending field: every API's ranges are checked there, once (the HTTP models only
+publish them in their schemas). ``check_token_ids`` is the part that needs the vocabulary, run by the
+intake when the request is prepared (``runtime.request.intake.check``).
 Fields of features this server does not have (beam search, watermarking, ``choice``) are accepted at their
 defaults and refused with a 400 naming them otherwise; ``custom_params`` is accepted and never read.
 """
@@ -100,7 +102,7 @@ class SamplingParams:
         return params
 
     # ------------------------------------------------------------------ checks
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:
                 raise ValueError(f"{name}: {msg}")
@@ -117,8 +119,9 @@ class SamplingParams:
              f"must be an integer >= 0, got {self.min_new_tokens!r}")
         need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
              f"({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
-        need(is_num(self.temperature) and 0 <= self.temperature <= 100, "temperature",
-             f"must be a number in [0, 100], got {self.temperature!r}")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature",
+             f"must be a number >= 0, got {self.temperature!r}")
+        need(self.temperature <= 100, "temperature", f"must be at most 100, got {self.temperature!r}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
              f"must be -1 (off) or >= 1, got {self.top_k!r}")
@@ -156,10 +159,13 @@ class SamplingParams:
              f"only one of json_schema, regex, ebnf and structural_tag may be given, got {grammars}")
         for g in grammars:
             need(isinstance(getattr(self, g), str), g, "must be a string")
-        if vocab_size is not None:
-            bad = [t for t in list(self.logit_bias) + self.stop_token_ids if not 0 <= t < vocab_size]
-            need(not bad, "logit_bias" if any(t in self.logit_bias for t in bad) else "stop_token_ids",
-                 f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The token ids of ``logit_bias`` and ``stop_token_ids`` are in the vocabulary (after ``validate``)."""
+        bad = [t for t in list(self.logit_bias) + self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            name = "logit_bias" if any(t in self.logit_bias for t in bad) else "stop_token_ids"
+            raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from runtime.http import chat, completions, native, openai_models, responses
+from runtime.http import admin, chat, completions, native, openai_models, responses
 from runtime.http.auth import UNAUTHORIZED, ApiKeyMiddleware
 from runtime.http.dashboard import router as dashboard_router
 from runtime.http.errors import error_response, install_error_handlers
@@ -51,7 +51,7 @@ def create_app(tm: TokenizerManager, served_model_name: str,
     if tm.args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=tm.args.api_key,
                            reject=lambda: error_response(401, UNAUTHORIZED, code="invalid_api_key"))
-    routers = (native.router, completions.router, chat.router, responses.router, openai_models.router,
+    routers = (native.router, admin.router, completions.router, chat.router, responses.router, openai_models.router,
                dashboard_router)
     for router in routers:
         app.include_router(router)
@@ -66,7 +66,7 @@ async def _watch(tm: TokenizerManager, check: Callable[[], str | None],
     progress = ProgressWatch(tm.args.watchdog_timeout)
     while True:
         await asyncio.sleep(WATCH_INTERVAL)
-        reason = check() or progress.check(len(tm.handles), tm.status, tm.status_time, time.monotonic())
+        reason = check() or progress.check(tm.pending, tm.status, tm.status_time, time.monotonic())
         if reason is not None:
             logger.error("%s; failing pending requests with 503 and shutting down", reason)
             tm.mark_dead(reason)

@@ -9,7 +9,6 @@ or piece by piece as a stream, and ``openai_format`` says how the message or del
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -68,7 +67,7 @@ async def chat_completions(request: Request) -> Response:
     options = RequestOptions(return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
                              cache_namespace=req.cache_salt, stream=req.stream)
     with fields_named(names):
-        sp = dataclasses.replace(sampling_params(fields), n=req.n)
+        sp = sampling_params({**fields, "n": req.n})
         call = expand([ids], [sp], [options], req.rid, tm.limits.max_n)
         handles = await submit_all(tm, call.requests)
     shape = Shape(Envelope(new_id("chatcmpl", call.call_id), model, req.include_usage), req.n, req.logprobs,
@@ -116,6 +115,7 @@ def chat_names(req: ChatCompletionRequest) -> dict[str, str]:
     field the request used)."""
     fmt = req.response_format
     return {"max_new_tokens": req.max_output[0], "min_new_tokens": "min_tokens", "input_ids": "messages",
+            "top_logprobs_num": "top_logprobs",
             "structural_tag": "tools", "text": "messages", "response_format": "response_format",
             "json_schema": "json_schema" if fmt is None or fmt.type == "text" else "response_format"}
 

@@ -9,7 +9,6 @@ grows; ``echo`` puts the prompt before the first piece.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +49,7 @@ router = APIRouter()
 
 # The runtime's field names -> this API's
 COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt",
-                    "text": "prompt"}
+                    "text": "prompt", "top_logprobs_num": "logprobs"}
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -68,8 +67,7 @@ async def completions(request: Request) -> Response:
                              top_logprobs_num=k or 0, cache_namespace=req.cache_salt, stream=req.stream)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     with fields_named(COMPLETION_NAMES):
-        sp = sampling_params({**req.sampling_dict(), "max_new_tokens": max_tokens})
-        sp = dataclasses.replace(sp, n=req.n)
+        sp = sampling_params({**req.sampling_dict(), "max_new_tokens": max_tokens, "n": req.n})
         call = expand(prompts, [sp] * len(prompts), [options] * len(prompts), req.rid, tm.limits.max_n)
         handles = await submit_all(tm, call.requests)
     shape = Shape(Envelope(new_id("cmpl", call.call_id), model, req.include_usage), texts, req.n, req.echo, k,

@@ -47,16 +47,15 @@ def client_closed() -> Response:
 
 
 # ---------------------------------------------------------------------- submit
-async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest]) -> list[ReqHandle]:
+async def submit_all(tm: TokenizerManager, singles: Sequence[SingleRequest], bounded: bool = True) -> list[ReqHandle]:
     """Validate every request first (the intake's checks: an IntakeError names the field), then send them; a
-    bad one rejects the whole call (nothing runs), and so does a waiting queue without room for all (429)."""
-    tm.check_capacity(len(singles))
-    for s in singles:
-        tm.prepare(s)
+    bad one rejects the whole call (nothing runs), and so does a waiting queue without room for all (429;
+    ``bounded`` False: a health probe, which the queue bound does not apply to)."""
+    tm.front.admit(singles, bounded)
     handles: list[ReqHandle] = []
     try:
         for s in singles:
-            handles.append(await tm.submit(s, checked=True))
+            handles.append(await tm.submit(s))
     except BaseException:
         await abort_unfinished(tm, handles, "another request of the same call was rejected")
         raise

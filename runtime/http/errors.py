@@ -26,8 +26,9 @@ from starlette.routing import BaseRoute, Match
 
 from runtime.core.errors import IntakeError
 from runtime.core.messages import AbortCause, FinishReason
+from runtime.request.front import QueueFull
 from runtime.request.state import RequestState
-from runtime.server.tokenizer_manager import QueueFull, ServerUnavailable
+from runtime.server.tokenizer_manager import ServerUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ def abort_status(fin: FinishReason | None) -> int | None:
 def api_error(exc: IntakeError, names: Mapping[str, str] | None = None) -> APIError:
     """The 400 of a refused request, its field named as the calling API names it (``names``: runtime field
     -> the API's field; fields not in it keep the runtime's name)."""
-    name = (names or {}).get(exc.field or "", exc.field)
-    return APIError(400, f"{name}: {exc.detail}" if name else exc.detail, name)
+    named = exc.named(names or {})
+    return APIError(400, str(named), named.field)
 
 
 def raise_if_rejected(state: RequestState) -> None:

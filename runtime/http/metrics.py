@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from runtime.core.messages import SchedulerStatus
+from runtime.server.tokenizer_manager import ReqHandle
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -78,20 +79,18 @@ class ServerMetrics:
                                  registry=r)
         self._tier_seen: dict[tuple[str, str], float] = {}  # (tier, tier_report key) -> last cumulative value
 
-    def on_output(self, handle: Any, before: int, now: float) -> None:
+    def on_output(self, handle: ReqHandle, before: int, now: float) -> None:
         state = handle.state
         new = state.completion_tokens - before
         if new > 0:
             self.generation_tokens.inc(new)
             if handle.stream:
-                last = getattr(handle, "_last_token_at", None)
-                if last is None:
+                gap = handle.token_gap(now)
+                if gap is None:
                     self.ttft.observe(now - state.created)
                 else:
-                    per = (now - last) / new
                     for _ in range(new):
-                        self.itl.observe(per)
-                handle._last_token_at = now
+                        self.itl.observe(gap / new)
         if state.finished is not None:
             self.requests.inc()
             self.prompt_tokens.inc(state.prompt_tokens)

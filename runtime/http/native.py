@@ -1,37 +1,39 @@
-"""SGLang-native endpoints: /generate and the server's control and health endpoints.
+"""SGLang's native generation API: ``POST /generate``, which reads top to bottom as every API does: parse →
+intake → wait or stream → format.
 
 Streams follow what SGLang's frontend (``sglang.lang``'s RuntimeEndpoint) reads: each frame's ``text`` and
 ``output_ids`` are cumulative, its output logprobs are the ones not sent before (with
-``output_token_logprobs_length`` the running count), and ``stream_interval`` thins the frames.
+``output_token_logprobs_length`` the running count), and ``stream_interval`` thins the frames. A stream goes
+through the shared delivery path (``delivery.open_stream`` / ``stream_response``): a request refused before its
+first update keeps its HTTP status, and what goes wrong after the 200 (the server lost a process) is SGLang's
+error frame. The server's other native endpoints (information, health, cache, aborts, metrics) are in
+``admin.py``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from runtime.core.messages import FlushCacheQuery, ServerInfoQuery
-from runtime.core.sampling_params import SamplingParams
 from runtime.http.common import tm_of
 from runtime.http.delivery import (
-    DONE,
-    abort_unfinished,
+    Updates,
     client_closed,
     json_response,
-    merged_updates,
+    open_stream,
     sse,
+    stream_response,
     submit_all,
     wait,
 )
-from runtime.http.errors import APIError, abort_status, check_types, error_response, parse_json
+from runtime.http.errors import ERROR_TYPES, APIError, abort_status, check_types, parse_json
 from runtime.http.native_protocol import GenerateRequest
-from runtime.request.intake import SingleRequest, from_native, reject_unsupported
-from runtime.request.state import RequestState
-from runtime.server.tokenizer_manager import ReqHandle, TokenizerManager
+from runtime.request.intake import from_native, reject_unsupported
+from runtime.request.state import RequestState, StreamPacer
+from runtime.server.tokenizer_manager import ReqHandle
 
 router = APIRouter()
 
@@ -39,19 +41,26 @@ router = APIRouter()
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     tm = tm_of(request)
+    # parse
     body = await parse_json(request)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     req = check_types(GenerateRequest, body)  # JSON types checked; the intake reads the request's fields
     reject_unsupported(body)
+    # intake
     call = from_native(body, tm.limits.max_n)
     handles = await submit_all(tm, call.requests)
     # how the answer is rendered (not part of the request the runtime sees)
     token_text = (lambda t: tm.tokenizer.decode([t])) if req.return_text_in_logprobs else None
     prompt_ids = bool(req.return_prompt_token_ids)
+    # stream
     if req.stream:
-        return StreamingResponse(_stream(tm, handles, call.is_batch, token_text, prompt_ids),
-                                 media_type="text/event-stream")
+        updates = await open_stream(request, tm, handles)
+        if updates is None:
+            return client_closed()
+        return stream_response(tm, handles, updates, frames(updates, handles, call.is_batch, token_text, prompt_ids),
+                               native_error_frame)
+    # wait, format
     states = await wait(request, tm, handles)
     if states is None:
         return client_closed()
@@ -72,104 +81,25 @@ def native_result(state: RequestState, handle: ReqHandle, token_text: Any, outpu
     return out
 
 
-async def _stream(tm: TokenizerManager, handles: list[ReqHandle], is_batch: bool,
-                  token_text: Any, prompt_ids: bool) -> AsyncIterator[bytes]:
+async def frames(updates: Updates, handles: list[ReqHandle], is_batch: bool, token_text: Any,
+                 prompt_ids: bool) -> AsyncIterator[bytes]:
+    """One frame per update that is due (``stream_interval``); a batch's frames carry their request's index."""
     sent_logprobs = [0] * len(handles)  # output logprobs already sent, per request
-    sent_tokens = [-1] * len(handles)  # completion tokens at the last frame (-1: no frame yet)
-    try:
-        async for i, state in merged_updates(handles):
-            s = handles[i].single
-            interval = s.sampling.stream_interval
-            if (interval is not None and state.finished is None and sent_tokens[i] >= 1
-                    and state.completion_tokens - sent_tokens[i] < interval):
-                continue  # the first frame goes out at once, then one per ``interval`` tokens
-            frame = native_result(state, handles[i], token_text, sent_logprobs[i])
-            sent_logprobs[i] = len(state.output_logprobs)
-            sent_tokens[i] = state.completion_tokens
-            if prompt_ids:
-                frame["prompt_token_ids"] = list(s.input_ids or [])
-            if is_batch:
-                frame["index"] = i
-            yield sse(frame)
-        yield DONE
-    finally:
-        await abort_unfinished(tm, handles, "the client disconnected")
+    pacers = [StreamPacer(h.single.sampling.stream_interval) for h in handles]
+    async for i, state in updates:
+        if not pacers[i].due(state):
+            continue
+        frame = native_result(state, handles[i], token_text, sent_logprobs[i])
+        sent_logprobs[i] = len(state.output_logprobs)
+        if prompt_ids:
+            frame["prompt_token_ids"] = list(handles[i].single.input_ids or [])
+        if is_batch:
+            frame["index"] = i
+        yield sse(frame)
 
 
-@router.get("/get_model_info")
-@router.get("/model_info")
-async def get_model_info(request: Request) -> Response:
-    tm = tm_of(request)
-    info = tm.model_info
-    return json_response({
-        "model_path": info["model_path"],
-        "tokenizer_path": tm.args.tokenizer or info["model_path"],
-        "served_model_name": request.app.state.served_model_name,
-        "is_generation": True,
-        "context_length": info["context_length"],
-        "vocab_size": info["vocab_size"],
-        "architecture": info["architecture"],
-        "chat_template": tm.chat_template_text,
-    })
-
-
-@router.get("/get_server_info")
-@router.get("/server_info")
-async def get_server_info(request: Request) -> Response:
-    tm = tm_of(request)
-    reply = await tm.control(ServerInfoQuery())
-    return json_response({
-        **tm.args.public_dict(),
-        "model_info": tm.model_info,
-        "version": request.app.version,
-        **reply.data,
-    })
-
-
-@router.get("/health")
-async def health(request: Request) -> Response:
-    tm = tm_of(request)
-    if tm.dead:
-        return error_response(503, f"unhealthy: {tm.dead}")
-    return json_response({"status": "ok"})
-
-
-@router.get("/health_generate")
-async def health_generate(request: Request) -> Response:
-    tm = tm_of(request)
-    if tm.dead:
-        return error_response(503, f"unhealthy: {tm.dead}")
-    single = SingleRequest(rid=f"health-{id(request)}", text=None, input_ids=[tm.tokenizer.eos_token_id or 0],
-                           sampling=SamplingParams(max_new_tokens=1, temperature=0))
-    handle = await tm.submit(single)
-    try:
-        await asyncio.wait_for(handle.result(), 60)
-    except asyncio.TimeoutError:
-        await tm.abort(single.rid)
-        return error_response(503, "unhealthy: no token generated within 60 s")
-    return json_response({"status": "ok"})
-
-
-@router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(request: Request) -> Response:
-    reply = await tm_of(request).control(FlushCacheQuery())
-    if not reply.ok:
-        return error_response(400, reply.data.get("message", "the cache was not flushed"))
-    return json_response({"message": "Cache flushed."})
-
-
-@router.post("/abort_request")
-async def abort_request(request: Request) -> Response:
-    body = await parse_json(request)
-    rid = body.get("rid") if isinstance(body, dict) else None
-    if not isinstance(rid, str) or not rid:
-        raise APIError(400, "rid: give the id of the request to abort", "rid")
-    await tm_of(request).abort(rid)
-    return json_response({"message": f"abort of {rid} requested"})
-
-
-@router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    tm = tm_of(request)
-    data = request.app.state.metrics.render(tm.status)
-    return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+def native_error_frame(exc: APIError) -> bytes:
+    """What SGLang's server sends when a stream fails after its 200 (then ``[DONE]``): the error's message,
+    type and status as ``code``; SGLang's clients read ``error.message``."""
+    return sse({"error": {"message": exc.message, "type": ERROR_TYPES.get(exc.status, "invalid_request_error"),
+                          "code": exc.status, "retryable": False}})

@@ -3,16 +3,23 @@
 Validation is strict (JSON types are not coerced: ``"1"`` is not a number, ``true`` is not an integer), so
 a wrong type is a 400 through the app's RequestValidationError handler. Unknown fields are accepted and
 ignored, as OpenAI clients send many optional ones; SGLang's sampling extensions (``top_k``, ``min_p``,
-``regex``, ``cache_salt``, ``rid``, ...) are honoured. Ranges are OpenAI's; the remaining checks (token
-ids in the vocabulary, the context length, ``n`` against the server's limits) happen at the intake.
+``regex``, ``cache_salt``, ``rid``, ...) are honoured. The schema states OpenAI's ranges. A range the runtime
+checks anyway (``SamplingParams.validate``, the intake) is published only (``schema_range``), so each rule is
+checked once, where every API and the Engine meet it; the models check only the ranges that are this API's
+own (``temperature`` at most 2, ``max_tokens`` at least 1 on chat, ``logprobs`` at most 5). The remaining
+checks (token ids in the vocabulary, the context length, ``n`` against the server's limits) happen at the
+intake.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import WithJsonSchema
 from pydantic_core import PydanticCustomError
+
+from runtime.request.intake import MAX_TOP_LOGPROBS
 
 
 def _is_int(v: Any) -> bool:
@@ -21,6 +28,24 @@ def _is_int(v: Any) -> bool:
 
 def _invalid(kind: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(kind, message)
+
+
+def schema_range(number: type[int] | type[float], **bounds: float) -> WithJsonSchema:
+    """The schema of a number whose range the runtime checks: ``minimum``, ``maximum``, ``exclusiveMinimum``
+    are published in /openapi.json and not checked by the model (which checks the type), so the 400 comes
+    from the one check of the rule, naming the field as the API does."""
+    return WithJsonSchema({"type": "integer" if number is int else "number", **bounds})
+
+
+# OpenAI's temperature is at most 2 (the model checks that bound: the runtime allows up to 100); at least 0 is
+# the runtime's rule.
+OpenAITemperature = Annotated[float, Field(le=2), schema_range(float, minimum=0, maximum=2)]
+# OpenAI's top_p may be 0 (read as greedy, see ``sampling_dict``); the runtime refuses the rest of what is
+# outside [0, 1].
+OpenAITopP = Annotated[float, schema_range(float, minimum=0, maximum=1)]
+Penalty = Annotated[float, schema_range(float, minimum=-2, maximum=2)]
+Count = Annotated[int, schema_range(int, minimum=0)]
+Positive = Annotated[int, schema_range(int, minimum=1)]
 
 
 def nullable_properties(schema: dict[str, Any], *_: Any) -> None:
@@ -62,14 +87,14 @@ class SamplingFields(_Strict):
     """Fields both endpoints share: OpenAI's sampling parameters and SGLang's extensions."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1)
+    n: Positive = 1
     stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array",
                                                                        "items": {"type": "string"}}]})
     seed: int | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    temperature: OpenAITemperature | None = None
+    top_p: OpenAITopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -78,7 +103,7 @@ class SamplingFields(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: Count | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
@@ -124,7 +149,7 @@ class CompletionRequest(SamplingFields):
         {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
         {"type": "array", "items": {"type": "integer"}, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}, "minItems": 1}]})
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: Count | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -206,7 +231,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, schema_range(int, minimum=0, maximum=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None  # checked by runtime.parsers.tool_formats.check_tools (clear 400s)
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}

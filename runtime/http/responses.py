@@ -29,7 +29,7 @@ from runtime.http.common import served_model, tm_of
 from runtime.http.delivery import Updates, client_closed, json_response, open_stream, stream_response, submit_all, wait
 from runtime.http.errors import APIError, check_types, fields_named, parse_json, raise_if_rejected
 from runtime.http.openai_format import chat_delta, chat_message, now
-from runtime.http.protocol import ChatCompletionRequest, nullable_properties
+from runtime.http.protocol import ChatCompletionRequest, OpenAITemperature, OpenAITopP, Penalty, nullable_properties
 from runtime.http.responses_format import (
     EventStream,
     ResponseHeader,
@@ -68,8 +68,8 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    temperature: OpenAITemperature | None = None
+    top_p: OpenAITopP | None = None
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
@@ -86,8 +86,8 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
     stop: Any = None  # a string or a list of strings, checked as on the chat endpoint
     seed: int | None = None
 

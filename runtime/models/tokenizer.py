@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 
+def tokenize(tokenizer: Any, text: str) -> list[int]:
+    """A prompt's token ids, as every API's intake makes them (special tokens as the tokenizer adds them)."""
+    return list(tokenizer(text).input_ids)
+
+
 def eos_token_ids(tokenizer: Any, hf_config: Any, model_path: str | Path) -> frozenset[int]:
     """Every id that ends generation: the tokenizer's EOS, the config's and generation_config.json's."""
     ids: set[int] = set()

@@ -6,7 +6,11 @@
   (SGLang's GenerateReqInput: one prompt or a batch, per-prompt or shared values), the OpenAI routes and
   the Responses API directly (``runtime/http/completions.py``, ``chat.py``, ``responses.py``).
 * ``prepare`` tokenizes a request and runs every check that needs the model (``check``). The HTTP layer and
-  the Engine call it before anything is queued, so the scheduler only asserts.
+  the Engine call it before anything is queued, so the scheduler only asserts (``length_refusal`` is the
+  one statement of what fits the context and the KV pool: the intake raises it, the scheduler asserts it).
+
+Sampling parameters are validated once, when they are read (``sampling_params``: ``SamplingParams.validate``);
+``check`` adds only what needs the vocabulary.
 
 Every refusal is an ``IntakeError`` naming the field in the runtime's spelling; each API maps the names to
 its own. ``reject_unsupported`` covers the rest of SGLang's GenerateReqInput: fields of features this
@@ -175,7 +179,7 @@ def _pick(value: Any, i: int, n: int, name: str) -> Any:
 def _prompts(text: Any, input_ids: Any) -> tuple[bool, list[str] | list[list[int]]]:
     """(is a batch, the prompts) of ``text`` or ``input_ids``."""
     if (text is None) == (input_ids is None):
-        raise IntakeError("text", "give exactly one of text and input_ids")
+        raise IntakeError("text", "give exactly one of a text prompt and input_ids")
     if text is not None:
         if isinstance(text, str):
             return False, [text]
@@ -231,7 +235,7 @@ def from_native(body: Mapping[str, Any], max_n: int) -> Expansion:
         top = pick("top_logprobs_num", i) or 0
         if not isinstance(start, int) or start < -1:
             raise IntakeError("logprob_start_len", "must be an integer >= -1")
-        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        if not isinstance(top, int):  # its range is every API's: ``check``
             raise IntakeError("top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         options.append(RequestOptions(
             return_logprob=bool(pick("return_logprob", i)), logprob_start_len=start, top_logprobs_num=top,
@@ -241,31 +245,47 @@ def from_native(body: Mapping[str, Any], max_n: int) -> Expansion:
 
 
 # ---------------------------------------------------------------------- the checks that need the model
+def length_refusal(prompt_tokens: int, max_new_tokens: int, limits: Limits,
+                   prompt_field: str = "input_ids") -> IntakeError | None:
+    """Why a prompt of ``prompt_tokens`` asking for ``max_new_tokens`` more cannot run (None: it can): within
+    the context, with room for its first token in the KV pool. The intake raises it; the scheduler asserts
+    that nothing it is handed has one."""
+    n, ctx = prompt_tokens, limits.context_length
+    if n == 0:
+        return IntakeError(prompt_field, "the prompt is empty")
+    if n >= ctx:
+        return IntakeError(prompt_field, f"the prompt has {n} tokens; the model's context length is {ctx}")
+    if n + max_new_tokens > ctx:
+        return IntakeError("max_new_tokens", f"the prompt has {n} tokens and {max_new_tokens} more were "
+                           f"requested, {n + max_new_tokens} in all, over the model's context length of "
+                           f"{ctx}; ask for fewer or shorten the prompt")
+    if n + 1 > limits.kv_capacity:
+        return IntakeError(prompt_field, f"the prompt needs {n + 1} KV tokens but the pool holds "
+                           f"{limits.kv_capacity}")
+    return None
+
+
 def check(single: SingleRequest, limits: Limits) -> None:
-    """Every check of a tokenized request: ids in the vocabulary, the prompt and its output within the
-    context and the KV pool, sampling parameters against the vocabulary, a grammar that compiles."""
+    """Every check of a tokenized request that needs the model: ids in the vocabulary, the sampling
+    parameters' token ids too, the prompt and its output within the context and the KV pool, a grammar
+    that compiles; and the logprob alternatives any API may ask for."""
     ids = single.input_ids
     prompt_field = "text" if single.text is not None else "input_ids"
     if not ids:
         raise IntakeError(prompt_field, "the prompt is empty")
-    vocab, ctx = limits.vocab_size, limits.context_length
+    vocab = limits.vocab_size
     if any(t < 0 or t >= vocab for t in ids):
         raise IntakeError("input_ids", f"token ids must be in [0, {vocab})")
     sp = single.sampling
     try:
-        sp.validate(vocab)
+        sp.check_token_ids(vocab)
     except ValueError as exc:
         raise IntakeError.of(exc) from None
-    n = len(ids)
-    if n >= ctx:
-        raise IntakeError(prompt_field, f"the prompt has {n} tokens; the model's context length is {ctx}")
-    if n + sp.max_new_tokens > ctx:
-        raise IntakeError("max_new_tokens", f"the prompt has {n} tokens and {sp.max_new_tokens} more were "
-                          f"requested, {n + sp.max_new_tokens} in all, over the model's context length of "
-                          f"{ctx}; ask for fewer or shorten the prompt")
-    if n + 1 > limits.kv_capacity:
-        raise IntakeError(prompt_field, f"the prompt needs {n + 1} KV tokens but the pool holds "
-                          f"{limits.kv_capacity}")
+    if not 0 <= single.options.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise IntakeError("top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    refusal = length_refusal(len(ids), sp.max_new_tokens, limits, prompt_field)
+    if refusal is not None:
+        raise refusal
     if sp.grammar is not None:
         from runtime.constrained.grammar import validate_grammar
 

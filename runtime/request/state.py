@@ -89,3 +89,20 @@ class RequestState:
             "output_ids": list(self.output_ids),
             "meta_info": self.meta_info(options, token_text, output_from),
         }
+
+
+@dataclass
+class StreamPacer:
+    """When a stream sends its next frame (SGLang's ``stream_interval``, shared by /generate and the Engine):
+    the first at once, then one per ``interval`` new tokens, the last always; every update when None."""
+
+    interval: int | None
+    sent_tokens: int = -1  # completion tokens at the last frame (-1: none sent yet)
+
+    def due(self, state: RequestState) -> bool:
+        """Whether ``state`` makes a frame now (and if so, it counts as sent)."""
+        if (self.interval is not None and state.finished is None and self.sent_tokens >= 1
+                and state.completion_tokens - self.sent_tokens < self.interval):
+            return False
+        self.sent_tokens = state.completion_tokens
+        return True

@@ -8,7 +8,7 @@ The memory-safety story, in one place:
 * A candidate's cached prefix is locked *before* memory is checked again: locking turns those tokens
   from evictable into protected, which shrinks what eviction could free (lock, then re-check).
 * If the prompt does not fit, it is truncated to a chunk when chunking is on, or admission stops.
-* When the reserve turns out too small, decoding retracts requests (``Scheduler._retract``): their KV is
+* When the reserve turns out too small, decoding retracts requests (``Scheduler._make_decode_room``): their KV is
   released without being cached, they go back to the front of the queue and later resume from their
   prompt plus the tokens they already produced, so their output does not change. ``ratio`` is raised.
 
@@ -19,6 +19,7 @@ computing it again. ``n > 1`` samples of one prompt go through the same path and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -29,16 +30,11 @@ RESERVE_CLIP = 4096  # most future tokens reserved for one request
 DEDUP_MIN_TOKENS = 32  # shared uncached tokens that make deferring worthwhile
 
 
-def never_fits(prompt_tokens: int, context_length: int, capacity: int) -> str | None:
-    """Why a prompt can never be admitted (None: it can). The APIs' intake (``runtime.request.intake``)
-    refuses such requests before they are sent; the scheduler checks again for a direct ``submit``."""
-    if prompt_tokens == 0:
-        return "the prompt is empty"
-    if prompt_tokens >= context_length:
-        return f"the prompt has {prompt_tokens} tokens; the model's context length is {context_length}"
-    if prompt_tokens + 1 > capacity:
-        return f"the prompt needs {prompt_tokens + 1} KV tokens but the pool holds {capacity}"
-    return None
+def decode_would_retract(running: Iterable[Req], cache: PrefixCache) -> bool:
+    """Whether giving each of ``running`` its next token's slot needs more than the available memory (a
+    request whose KV ends on a page boundary needs a new page): then the step retracts."""
+    ps = cache.page_size
+    return sum(ps for r in running if r.kv_len % ps == 0) > cache.available_size
 
 
 class NewTokenRatio:

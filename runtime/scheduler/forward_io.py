@@ -10,7 +10,7 @@ from typing import Any
 from radix.base import PrefixCache
 from runtime.config import ServerArgs
 from runtime.executor.worker import WorkHandle, WorkItem
-from runtime.scheduler.admission import PrefillPlan
+from runtime.scheduler.admission import PrefillPlan, decode_would_retract
 from runtime.scheduler.batch import StepBatch
 from runtime.scheduler.req import Req
 
@@ -70,7 +70,7 @@ def continuing_requests(prev: ForwardInput, context_length: int) -> list[Req]:
         req = prev.plans[i].req
         if req.finished is not None:  # finished after prev was built: its row there is discarded
             continue
-        if len(req.output_ids) + 1 >= req.sampling.max_new_tokens or len(req.tokens) + 1 >= context_length:
+        if req.tokens_left(context_length) <= 1:
             continue  # certainly finishes by length at prev
         out.append(req)
     return out
@@ -84,5 +84,4 @@ def must_process_first(prev: ForwardInput, continuing: list[Req], cache: PrefixC
     # processed, and admission must not start a second chunked prompt meanwhile.
     if any(p.req.kv is not None and p.req.kv_len < p.req.fill_len for p in prev.plans):
         return True
-    ps = cache.page_size  # Scheduler._make_decode_room's test: would the next step retract?
-    return sum(ps for r in continuing if r.kv_len % ps == 0) > cache.available_size
+    return decode_would_retract(continuing, cache)  # retraction must see prev's finishes

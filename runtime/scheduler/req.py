@@ -108,7 +108,13 @@ class Req:
         self.tokens.append(token)
 
     def remaining_new_tokens(self) -> int:
+        """Tokens before ``max_new_tokens`` (what admission reserves for: the context rarely binds first)."""
         return max(0, self.sampling.max_new_tokens - len(self.output_ids))
+
+    def tokens_left(self, context_length: int) -> int:
+        """Tokens it may still emit before a length limit ends it: ``max_new_tokens`` or a full context (0: it
+        finishes by length). Every decision about that limit reads it here."""
+        return max(0, min(self.sampling.max_new_tokens - len(self.output_ids), context_length - len(self.tokens)))
 
     # ------------------------------------------------------------------ output
     def take_output(self) -> ReqOutput:

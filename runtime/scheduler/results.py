@@ -6,6 +6,7 @@ its checked KV accounting and the details on top."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,9 +16,12 @@ from radix.disk_cache import DiskCacheStats
 from radix.naive_cache import NaiveCache
 from runtime.core.messages import SchedulerStatus
 from runtime.executor.sampler import Sampler
+from runtime.scheduler.admission import PrefillPlan
 from runtime.scheduler.batch import StepBatch
 from runtime.scheduler.policy import SchedulePolicy
 from runtime.scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 def record_prompt_logprobs(step: StepBatch, logits: torch.Tensor, sampler: Sampler, live: set[int]) -> None:
@@ -73,6 +77,22 @@ def live_status(cache: PrefixCache, stats: SchedulerStats, num_running: int, num
         spec_draft_tokens=stats.spec_draft_tokens,
         spec_accepted_tokens=stats.spec_accepted_tokens,
     )
+
+
+def step_log_enabled() -> bool:
+    """Whether ``log_step`` writes anything (the status it reads is not computed otherwise)."""
+    return logger.isEnabledFor(logging.INFO)
+
+
+def log_step(status: SchedulerStatus, prefills: list[PrefillPlan], decodes: int) -> None:
+    """A step's log line, its figures read from ``status`` (``Scheduler.status()``)."""
+    if prefills:
+        logger.info("prefill: %d seqs, %d new tokens, cache hit rate %.1f%%, %d running, %d queued", len(prefills),
+                    sum(p.extend for p in prefills), 100 * status.cache_hit_rate, status.num_running,
+                    status.num_waiting)
+    elif decodes:
+        logger.info("decode: %d running, %d queued, %.1f tokens/s, KV usage %.1f%%", decodes, status.num_waiting,
+                    status.decode_throughput, 100 * status.token_usage)
 
 
 def status_report(status: SchedulerStatus, cache: PrefixCache, stats: SchedulerStats, policy: SchedulePolicy,

@@ -45,7 +45,8 @@ from runtime.core.messages import AbortCause, FinishReason, ReqOutput, Scheduler
 from runtime.executor.model_runner import ModelRunner
 from runtime.executor.sampler import make_sampler
 from runtime.executor.worker import ForwardWorker, WorkItem
-from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan, never_fits
+from runtime.request.intake import Limits, length_refusal
+from runtime.scheduler.admission import NewTokenRatio, Outcome, PrefillAdder, PrefillPlan, decode_would_retract
 from runtime.scheduler.batch import build_step, snapshot_table
 from runtime.scheduler.cache_setup import make_cache
 from runtime.scheduler.emit import emit_tokens
@@ -59,7 +60,7 @@ from runtime.scheduler.forward_io import (
 from runtime.scheduler.grammar_queue import GrammarQueue
 from runtime.scheduler.policy import make_schedule_policy
 from runtime.scheduler.req import Req
-from runtime.scheduler.results import live_status, record_prompt_logprobs, status_report
+from runtime.scheduler.results import live_status, log_step, record_prompt_logprobs, status_report, step_log_enabled
 from runtime.scheduler.speculation import make_speculation, sampling_layout
 from runtime.scheduler.stats import SchedulerStats
 from runtime.scheduler.stop import StopChecker
@@ -83,6 +84,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.ratio = NewTokenRatio(args.schedule_conservativeness)
         self.rng = random.Random(args.random_seed)
+        self.limits = Limits(runner.vocab_size, runner.context_length, runner.allocator.capacity,
+                             args.max_running_requests)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
@@ -98,13 +101,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, msg: TokenizedRequest) -> None:
+        refusal = length_refusal(len(msg.input_ids), msg.sampling.max_new_tokens, self.limits)
+        assert refusal is None, f"request {msg.rid} skipped the intake (runtime.request.intake.prepare): {refusal}"
         req = Req.from_message(msg, seed=self.rng.getrandbits(63), eos_ids=self.eos_ids)
         req.spec = self.spec.new_state() if self.spec is not None else None
-        # a guard for a direct submit (tests, tools): the APIs' intake refuses these before they are sent
-        error = never_fits(len(req.input_ids), self.runner.context_length, self.runner.allocator.capacity)
-        if error:
-            self._finish_early(req, FinishReason("abort", message=error, cause=AbortCause.INVALID))
-            return
         if req.sampling.grammar is not None:
             self.grammars.add(req)
         else:
@@ -185,6 +185,12 @@ class Scheduler:
     def inflight_requests(self) -> list[Req]:
         return self._inflight.input.requests() if self._inflight is not None else []
 
+    def admitted(self) -> list[Req]:
+        """Admitted and not finished: running, the chunked prompt, and the overlap loop's batch in flight, whose
+        newly admitted prompts join ``running`` only when it is processed."""
+        reqs = [*self.running, *([self.chunked] if self.chunked else []), *self.inflight_requests()]
+        return list({id(r): r for r in reqs if r.finished is None}.values())
+
     def holders(self) -> list[Req]:
         return [r for r in self.running + ([self.chunked] if self.chunked else []) if r.kv is not None]
 
@@ -259,8 +265,8 @@ class Scheduler:
         ahead = self._ahead
         t_build = time.perf_counter()
         step = build_step(plans, self.runner, ahead)
-        sample_idx = [i for i in step.sample_rows
-                      if plans[i].req.remaining_new_tokens() - (id(plans[i].req) in ahead) > 0]
+        ctx = self.runner.context_length  # a request whose input token is still being sampled has one less
+        sample_idx = [i for i in step.sample_rows if plans[i].req.tokens_left(ctx) - (id(plans[i].req) in ahead) > 0]
         rows, pending, picks, table_rows, first = sampling_layout(plans, sample_idx, step.sample_rows, ahead)
         if self.overlap:  # run on the worker thread while this thread keeps changing the table
             snapshot_table(step.forward)
@@ -271,11 +277,7 @@ class Scheduler:
 
     def _make_decode_room(self) -> None:
         """Retract running requests until every remaining one can get its next token's slot."""
-        ps = self.cache.page_size
-        while self.running:
-            need = sum(ps for r in self.running if r.kv_len % ps == 0)
-            if need <= self.cache.available_size:
-                return
+        while self.running and decode_would_retract(self.running, self.cache):
             victim = self.policy.retraction_victim(self.running)
             self.running.remove(victim)
             assert victim.kv is not None and id(victim) not in self._ahead
@@ -322,7 +324,7 @@ class Scheduler:
         self.stats.discarded_rows += len(plans) - len(live)
         drawn = {i: inp.first_row[k] for k, i in enumerate(inp.sample_idx) if i in live}
         assert sorted(drawn) == [i for i in sorted(inp.step.sample_rows) if i in live
-                                 and plans[i].req.remaining_new_tokens() > 0], "sampled rows disagree"
+                                 and plans[i].req.tokens_left(self.runner.context_length) > 0], "sampled rows disagree"
         record_prompt_logprobs(inp.step, result.logits, self.sampler, live)
         sampled = result.sampled
         # requests holding a slot in the batch launched after this one: the cache sees their lockstep length
@@ -377,7 +379,7 @@ class Scheduler:
     def status(self) -> SchedulerStatus:
         """The live figures (queues, KV books, cache, counters), cheap enough to compute twice a second: no
         drain of an in-flight batch, no integrity check."""
-        return live_status(self.cache, self.stats, len(self.running) + (1 if self.chunked else 0), len(self.waiting))
+        return live_status(self.cache, self.stats, len(self.admitted()), len(self.waiting))
 
     def server_info(self) -> dict[str, Any]:
         """The live figures plus KV accounting (checked), cache and scheduler details."""
@@ -386,15 +388,8 @@ class Scheduler:
                              self.check_integrity())
 
     def _log_step(self, prefills: list[PrefillPlan], decodes: int) -> None:
-        if prefills:
-            new_tokens = sum(p.extend for p in prefills)
-            logger.info("prefill: %d seqs, %d new tokens, cache hit rate %.1f%%, %d running, %d queued",
-                        len(prefills), new_tokens, 100 * self.cache.stats().hit_rate, len(self.running),
-                        len(self.waiting))
-        elif decodes:
+        if not prefills and decodes:
             self._decode_steps += 1
             self.ratio.step()
-            if self._decode_steps % DECODE_LOG_INTERVAL == 0:
-                logger.info("decode: %d running, %d queued, %.1f tokens/s, KV usage %.1f%%", decodes,
-                            len(self.waiting), self.stats.decode_throughput(),
-                            100 * (1 - self.cache.available_size / self.cache.allocator.capacity))
+        if step_log_enabled() and (prefills or self._decode_steps % DECODE_LOG_INTERVAL == 0):
+            log_step(self.status(), prefills, decodes)

@@ -134,7 +134,7 @@ class Speculation:
             if req.spec is None or req.grammar is not None or req.kv is None:
                 continue
             # never past max_new_tokens or the context: every emitted token must be one the request may emit
-            room = min(req.remaining_new_tokens(), context_length - len(req.tokens)) - 1
+            room = req.tokens_left(context_length) - 1
             k = min(req.spec.want(), room)
             if k > 0:
                 chosen.append(plan)

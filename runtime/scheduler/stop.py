@@ -34,9 +34,7 @@ class StopChecker:
             return FinishReason("stop", matched=last)
         if req.grammar is not None and req.grammar.is_terminated():
             return FinishReason("stop", matched=None)
-        if n >= sp.max_new_tokens:
-            return FinishReason("length", length=n)
-        if len(req.tokens) >= self.context_length:
+        if req.tokens_left(self.context_length) == 0:
             return FinishReason("length", length=n)
         if sp.stop and may_stop:
             longest = max(len(s) for s in sp.stop)

@@ -1,9 +1,10 @@
 """TokenizerManager: the main process's side of every request.
 
-It tokenizes prompts and renders chat templates, runs the intake's checks (``runtime.request.intake``), sends
-``TokenizedRequest`` messages to the scheduler, and resolves each request's handle as the detokenizer's
-``BatchStrOut`` messages arrive (one receive loop for all requests). It also carries control queries
-(server info, cache flush) and keeps the scheduler's latest status for /metrics.
+It renders chat templates and takes requests through the ``RequestFront`` it shares with the Engine
+(``runtime.request.front``: the queue bound, the intake, per-request deadlines), sends ``TokenizedRequest``
+messages to the scheduler, and resolves each request's handle as the detokenizer's ``BatchStrOut`` messages
+arrive (one receive loop for all requests). It also carries control queries (server info, cache flush) and
+keeps the scheduler's latest status for /metrics, the queue bound and the watchdog.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import zmq
@@ -21,9 +22,10 @@ from runtime.config import ServerArgs
 from runtime.core.messages import AbortCause, AbortRequest, BatchStrOut, ControlQuery, ControlReply, SchedulerStatus
 from runtime.models.tokenizer import load_chat_template
 from runtime.parsers.tool_formats import make_tool_format
-from runtime.request.intake import Limits, SingleRequest, prepare
+from runtime.request.front import RequestFront
+from runtime.request.intake import Limits, SingleRequest
 from runtime.request.state import RequestState
-from runtime.request.tracker import RequestHandle, RequestTracker
+from runtime.request.tracker import RequestHandle
 from runtime.server.ipc import Endpoints, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -34,14 +36,6 @@ class ServerUnavailable(RuntimeError):
     """A child process died or hung: the server can no longer serve (HTTP 503)."""
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is at --max-queued-requests (HTTP 429 with Retry-After)."""
-
-    def __init__(self, queued: int, limit: int):
-        super().__init__(f"the server is overloaded: {queued} requests are waiting (limit {limit}); retry later")
-        self.retry_after = 1
-
-
 class ReqHandle(RequestHandle):
     """A request of the server's: the receive loop applies its outputs (text from the detokenizer process) and
     wakes its waiter."""
@@ -50,6 +44,7 @@ class ReqHandle(RequestHandle):
         super().__init__(single)
         self.changed = asyncio.Event()
         self.failed: str | None = None
+        self.last_token_at: float | None = None  # when an output last brought tokens (``token_gap``)
 
     @property
     def done(self) -> bool:
@@ -65,6 +60,12 @@ class ReqHandle(RequestHandle):
             yield self.state
             if self.state.finished is not None:
                 return
+
+    def token_gap(self, now: float) -> float | None:
+        """Seconds since the previous output that brought tokens (None before the first), for the
+        inter-token latency; ``now`` becomes that time."""
+        last, self.last_token_at = self.last_token_at, now
+        return None if last is None else now - last
 
     async def result(self) -> RequestState:
         async for _ in self.updates():
@@ -83,15 +84,17 @@ class TokenizerManager:
         self.tool_format = make_tool_format(args.tool_call_parser, self.chat_template_text)
         self.context_length = int(model_info["context_length"])
         self.vocab_size = int(model_info["vocab_size"])
-        self.limits = Limits(self.vocab_size, self.context_length, int(model_info["max_total_tokens"]),
-                             args.max_running_requests)
+        limits = Limits(self.vocab_size, self.context_length, int(model_info["max_total_tokens"]),
+                        args.max_running_requests)
+        self.front: RequestFront[ReqHandle] = RequestFront(
+            limits, self.tokenizer, max_queued_requests=args.max_queued_requests,
+            request_timeout=args.request_timeout, start_timer=self._call_later, send_abort=self._send_soon,
+            status=lambda: self.status)
         self.endpoints = endpoints
-        self.handles: RequestTracker[ReqHandle] = RequestTracker()  # sent and not finished, by rid
         self.status: SchedulerStatus | None = None
         self.status_time = time.monotonic()  # when the last status arrived (the watchdog's heartbeat)
         self.dead: str | None = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._expiring: set[asyncio.Future[None]] = set()
+        self._sending: set[asyncio.Future[Any]] = set()
         self._controls: dict[str, asyncio.Future[ControlReply]] = {}
         self.on_output: Any = None  # callback(handle, previous_completion_tokens) for metrics
         self._ctx: zmq.asyncio.Context | None = None
@@ -117,12 +120,9 @@ class TokenizerManager:
     def mark_dead(self, reason: str) -> None:
         """A child process died: fail every pending request and refuse new ones."""
         self.dead = reason
-        for handle in self.handles.close(ServerUnavailable(reason)):
+        for handle in self.front.fail_all(ServerUnavailable(reason)):
             handle.failed = reason
             handle.changed.set()
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(ServerUnavailable(reason))
@@ -131,47 +131,25 @@ class TokenizerManager:
     def chat_template_text(self) -> str | None:
         return self.chat_template or getattr(self.tokenizer, "chat_template", None)
 
-    # ------------------------------------------------------------------ tokenization
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
+    @property
+    def limits(self) -> Limits:
+        return self.front.limits
 
-    def prepare(self, single: SingleRequest) -> None:
-        """Tokenize and check one request; raises IntakeError (naming the field) for a bad one."""
-        prepare(single, self.tokenize, self.limits)
+    @property
+    def pending(self) -> int:
+        """Requests sent and not finished (the watchdog's evidence of work)."""
+        return len(self.front.handles)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.front.tokenize(text)
 
     # ------------------------------------------------------------------ requests
-    @property
-    def queued_estimate(self) -> int:
-        """Requests sent and not finished that the scheduler is not running, as far as its last status says.
-        The status is at most about half a second old; between two, new requests count as queued, so a burst
-        is judged conservatively."""
-        running = self.status.num_running if self.status is not None else 0
-        return max(0, len(self.handles) - running)
-
-    def check_capacity(self, count: int) -> None:
-        """Raise QueueFull if ``count`` more requests would overfill the waiting queue."""
-        limit = self.args.max_queued_requests
-        if limit is None:
-            return
-        queued = self.queued_estimate
-        if queued + count > limit:
-            raise QueueFull(queued, limit)
-
-    async def submit(self, single: SingleRequest, checked: bool = False) -> ReqHandle:
-        """Send one request to the scheduler (``checked``: ``prepare`` already ran on it)."""
+    async def submit(self, single: SingleRequest) -> ReqHandle:
+        """Send one request the front admitted (``RequestFront.admit``: queue room, the intake)."""
         if self.dead:
             raise ServerUnavailable(self.dead)
-        self.handles.check_free(single.rid)
-        if not checked:
-            self.prepare(single)
         handle = ReqHandle(single)
-        self.handles.add(handle)
-        timeout = single.options.timeout
-        if timeout is None:
-            timeout = self.args.request_timeout
-        if timeout is not None:
-            self._timers[single.rid] = asyncio.get_running_loop().call_later(timeout, self._expire, single.rid,
-                                                                             timeout)
+        self.front.track(handle)
         await self._to_sched.send(encode(single.message()))
         return handle
 
@@ -180,20 +158,17 @@ class TokenizerManager:
             return
         await self._to_sched.send(encode(AbortRequest(rid, message, cause)))
 
-    def _expire(self, rid: str, timeout: float) -> None:
-        """A request ran past its deadline: abort it (the scheduler frees its KV and reports the abort)."""
-        self._timers.pop(rid, None)
-        if rid in self.handles:
-            logger.info("request %s timed out after %.3g s; aborting it", rid, timeout)
-            task = asyncio.ensure_future(self.abort(
-                rid, f"timeout: the request did not finish within {timeout:g} s", AbortCause.TIMEOUT))
-            self._expiring.add(task)  # held until sent (the loop keeps only weak references to tasks)
-            task.add_done_callback(self._expiring.discard)
+    @staticmethod
+    def _call_later(seconds: float, fire: Callable[[], None]) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(seconds, fire)
 
-    def _cancel_timer(self, rid: str) -> None:
-        timer = self._timers.pop(rid, None)
-        if timer is not None:
-            timer.cancel()
+    def _send_soon(self, abort: AbortRequest) -> None:
+        """An abort from a deadline (a timer callback on the event loop, which cannot await the send)."""
+        if self.dead:
+            return
+        task = asyncio.ensure_future(self._to_sched.send(encode(abort)))
+        self._sending.add(task)  # held until sent (the loop keeps only weak references to tasks)
+        task.add_done_callback(self._sending.discard)
 
     async def control(self, query: ControlQuery) -> ControlReply:
         """Send a query to the scheduler and wait for its reply."""
@@ -214,15 +189,13 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOut):
                 now = time.perf_counter()
                 for item in msg.outputs:
-                    handle = self.handles.route(item.out)  # a finished request's handle leaves the registry
+                    handle = self.front.route(item.out)  # a finished request's handle leaves, its deadline stops
                     if handle is None:
                         continue
                     before = handle.state.completion_tokens
                     handle.apply(item.out, item.text)
                     if self.on_output is not None:
                         self.on_output(handle, before, now)
-                    if item.out.finished is not None:
-                        self._cancel_timer(item.out.rid)
                     handle.changed.set()
             elif isinstance(msg, SchedulerStatus):
                 self.status = msg

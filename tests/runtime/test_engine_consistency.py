@@ -12,7 +12,7 @@ import pytest
 
 from runtime.config import ServerArgs
 from runtime.core.errors import IntakeError
-from runtime.core.messages import AbortCause, TokenizedRequest
+from runtime.core.messages import TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
 from runtime.executor.model_runner import ModelRunner
 from runtime.models.loader import load_tokenizer
@@ -208,15 +208,15 @@ def test_prompt_larger_than_pool_is_refused(tiny_engine, page_size):
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_the_scheduler_guards_a_direct_submit(tiny_model_dir):
-    """A request that skips the intake (a direct ``Scheduler.submit``) cannot corrupt the pool: it is aborted."""
+def test_the_scheduler_asserts_what_the_intake_refuses(tiny_model_dir):
+    """The intake is the one place that refuses a request that cannot run: the scheduler states the same rule
+    (``length_refusal``) as an assertion, so a request that skipped the intake is a caller's bug, found at once
+    and before it touches the pool."""
     args = ServerArgs(model=str(tiny_model_dir), max_total_tokens=64, log_level="warning").resolve()
     runner = ModelRunner(args)
     tok = load_tokenizer(runner.model_path)
     sched = Scheduler(args, runner, tok, eos_token_ids(tok, runner.hf_config, runner.model_path))
-    sched.submit(TokenizedRequest("big", list(range(100, 200)), SamplingParams(max_new_tokens=2)))
-    (out,) = sched.step()
-    fin = out.finished
-    assert fin is not None and fin.type == "abort" and fin.cause is AbortCause.INVALID and "pool" in (fin.message or "")
+    with pytest.raises(AssertionError, match=r"skipped the intake.*pool"):
+        sched.submit(TokenizedRequest("big", list(range(100, 200)), SamplingParams(max_new_tokens=2)))
     assert sched.idle and sched.check_integrity()["private"] == 0
     sched.close()

@@ -25,6 +25,7 @@ from runtime.core.messages import (
 )
 from runtime.core.sampling_params import SamplingParams
 from runtime.engine import Engine
+from runtime.request.intake import from_native, prepare
 from runtime.server.ipc import Endpoints, decode, encode, pull, push
 from runtime.server.scheduler_loop import SchedulerLoop
 from runtime.server.scheduler_process import build_loop
@@ -68,6 +69,30 @@ def test_control_queries_through_the_engine(tiny_engine):
     assert engine.flush_cache() is True
     assert engine.server_info()["cache"]["cached_tokens"] == 0
     assert_books_balance(engine.check_integrity())
+
+
+def test_status_counts_the_requests_of_the_batch_in_flight(tiny_engine):
+    """The overlap loop admits a prompt into the batch it launches and files it as running only when that batch
+    is processed; between the two steps the request is in neither queue, and status() (the /metrics and router
+    figures) must still count it as running."""
+    engine = tiny_engine(enable_overlap_schedule=True)
+    limits = engine.inspect(lambda s: s.limits)
+    (single,) = from_native({"input_ids": PROMPT, "rid": "in-flight", "sampling_params": GREEDY}, limits.max_n).requests
+    prepare(single, lambda text: [], limits)
+
+    def admit_and_count(s: Any) -> int:
+        s.submit(single.message())
+        assert s.step() == []  # the first step launches the prompt's batch and processes nothing
+        assert not s.running and not s.waiting and [r.rid for r in s.inflight_requests()] == ["in-flight"]
+        return s.status().num_running
+
+    assert engine.inspect(admit_and_count) == 1
+    # the loop runs the request to its end (its outputs reach no caller: it was not sent through the Engine)
+    deadline = time.monotonic() + 60
+    while not engine.inspect(lambda s: s.idle):
+        assert time.monotonic() < deadline, "the request did not finish"
+        time.sleep(0.01)
+    assert engine.inspect(lambda s: s.status().num_running) == 0
 
 
 def test_a_failed_query_raises_its_own_exception_and_the_engine_goes_on(tiny_engine):

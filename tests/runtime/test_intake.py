@@ -64,7 +64,7 @@ def test_native_per_prompt_values_and_options() -> None:
     ({"text": "a", "input_ids": [1]}, "text"),
     ({"text": "a", "rid": ["x", "y"]}, "rid"),
     ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob"),
-    ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "top_logprobs_num": "2"}, "top_logprobs_num"),
     ({"text": "a", "timeout": 0}, "timeout"),
     ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "a", "sampling_params": {"n": 9}}, "n"),
@@ -92,6 +92,8 @@ def test_a_request_within_the_limits_passes() -> None:
     (single([1] * 30, max_new_tokens=35), "max_new_tokens"),
     (single([1] * 50, max_new_tokens=1), "input_ids"),  # within the context, over the KV pool
     (single([1], regex="([", max_new_tokens=4), "regex"),
+    (SingleRequest("r", None, [1], SamplingParams(max_new_tokens=4), RequestOptions(top_logprobs_num=21)),
+     "top_logprobs_num"),  # every API's logprob alternatives, however the API spells the field
 ])
 def test_refusals_name_the_field(req: SingleRequest, field: str) -> None:
     assert field_of(check, req, LIMITS) == field

@@ -280,6 +280,27 @@ def test_scheduler_death_gives_503_and_nonzero_exit(tiny_model_dir):
     assert_exits_with_children(server, kids)
 
 
+def test_a_stream_that_loses_the_server_ends_with_an_error_frame(tiny_model_dir):
+    """After its 200 only a frame can say what went wrong: a /generate stream whose scheduler dies ends with
+    SGLang's error frame (the 503's message, its type and status) and [DONE], not a dropped connection."""
+    server = ServerProcess(str(tiny_model_dir), ["--max-total-tokens", "2048"]).start()
+    kids = server.children()
+    sched = child_bound_to(server, "scheduler")
+    body = {"text": "a long story", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        first = json.loads(next(lines)[6:])
+        os.kill(sched, signal.SIGKILL)
+        rest = list(lines)
+    assert first["meta_info"]["completion_tokens"] >= 1
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["code"] == 503 and err["type"] == "service_unavailable", err
+    assert "scheduler process exited" in err["message"], err
+    assert_exits_with_children(server, kids)
+
+
 def test_requests_get_503_once_a_child_died(tiny_model_dir):
     """A request reaching the server after it noticed a dead child gets 503, not a hang or a dropped
     connection, and the server then exits 1.

@@ -4,6 +4,7 @@ scheduling and the hang watchdog — each against a real server process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -142,6 +143,30 @@ def test_timeout_ends_a_stream_with_abort(guarded: ServerProcess) -> None:
     fin = last["meta_info"]["finish_reason"]
     assert fin["type"] == "abort" and "timeout" in fin["message"], fin
     assert 0 < last["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+    assert_kv_clean(guarded.url, headers=AUTH)
+
+
+def test_a_stream_refused_before_its_first_token_keeps_its_status(guarded: ServerProcess) -> None:
+    """A /generate stream whose request times out while it waits in the queue (both running slots are held) has
+    sent nothing yet: it is answered 408 like a request that is not streamed, not a 200 with an abort frame."""
+
+    async def scenario() -> tuple[int, Any]:
+        async with httpx.AsyncClient(timeout=120) as client, contextlib.AsyncExitStack() as blockers:
+            reading = []  # the blockers' line readers, kept: a reader collected early closes its connection
+            for i in range(2):  # hold both running slots (leaving the block disconnects them: aborted)
+                r = await blockers.enter_async_context(client.stream(
+                    "POST", guarded.url + "/generate", headers=AUTH,
+                    json={"text": f"blocker {i}", "sampling_params": LONG, "stream": True}))
+                assert r.status_code == 200
+                reading.append(r.aiter_lines())
+                while not (await anext(reading[-1])).startswith("data: "):
+                    pass
+            return await _stream(client, guarded.url, {"text": "queued", "sampling_params": LONG, "timeout": 0.3})
+
+    status, payload = asyncio.run(scenario())
+    assert status == 408, payload
+    body, _ = payload
+    assert body["error"]["type"] == "timeout_error" and "0.3 s" in body["error"]["message"], body
     assert_kv_clean(guarded.url, headers=AUTH)
 
 
