@@ -13,3 +13,6 @@ pip install -q --disable-pip-version-check --upgrade pip
 pip install -q --disable-pip-version-check "torch==2.13.0"
 pip install -q --disable-pip-version-check -e ".[serve,bench,test]"
 pip install -q --disable-pip-version-check --no-deps -r requirements/no-deps.txt
+# The native CPU kernels compile once per machine (~1-2 min, cached under ~/.cache/radixserve/kernels): build
+# them now rather than inside the first server start or test.
+python -m runtime.kernels.build

@@ -58,6 +58,22 @@ def _ninja_on_path() -> None:
         pass
 
 
+def _stage(sources: list[Path], folder: Path) -> list[Path]:
+    """Copies of ``sources`` (and the headers beside them) in ``folder``, the build directory's own: ninja records
+    the paths it compiled, so building from the package's files would rebuild whenever the same sources are
+    loaded from another checkout or install location (a clone for CI, a second worktree), though the key is
+    the same. Files are replaced atomically and only when their content differs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for src in [*sources, *sorted(HERE.glob("*.h"))]:
+        dst = folder / src.name
+        data = src.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = folder / f".{src.name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return [folder / src.name for src in sources]
+
+
 @functools.cache
 def load_kernels(name: str) -> ModuleType:
     """Build (if needed) and import the kernel set ``name`` (``SOURCES``) as a Python module (once per process)."""
@@ -75,6 +91,7 @@ def load_kernels(name: str) -> ModuleType:
         raise KernelBuildError(f"building the {name} kernels needs a C++ compiler (c++/g++ on PATH; on "
                                "Debian/Ubuntu: apt-get install g++)")
     _ninja_on_path()
+    sources = _stage(sources, build_dir / "src")
     fresh = not any(build_dir.glob("*.so"))
     t0 = time.perf_counter()
     if fresh:
@@ -88,3 +105,18 @@ def load_kernels(name: str) -> ModuleType:
     if fresh:
         logger.info("compiled the %s kernels in %.1fs", name, time.perf_counter() - t0)
     return module
+
+
+def build_all() -> None:
+    """Build every kernel set now (set-up time), so neither the first server start nor the first test pays for
+    the compile; without a compiler this only warns (the server then says what it cannot do without one)."""
+    for name in SOURCES:
+        try:
+            load_kernels(name)
+        except KernelBuildError as exc:
+            logger.warning("%s", exc)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    build_all()

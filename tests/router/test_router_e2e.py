@@ -384,7 +384,7 @@ def test_killed_worker_costs_no_request_and_comes_back(workers: list[ServerProce
                                                         tiny_model_dir: Path) -> None:
     """The worker dies while requests are provably on it: none of them is lost, and it comes back.
 
-    No timing decides when the kill lands. Every request asks for 1,000 tokens with ``ignore_eos``, so it
+    No timing decides when the kill lands. Every request asks for 300 tokens with ``ignore_eos``, so it
     cannot finish within the few steps it takes to see it running; the victim is frozen (SIGSTOP, the
     worker and its scheduler at once) once its own /get_server_info shows a running request, and only
     then is it killed, with the router still holding requests on it that the frozen worker cannot answer.
@@ -393,7 +393,7 @@ def test_killed_worker_costs_no_request_and_comes_back(workers: list[ServerProce
     victim = workers[2]
     assert victim.proc is not None
     try:
-        body = {"sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
+        body = {"sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0}}
 
         def send(i: int) -> tuple[int, str]:
             r = httpx.post(router.url + "/generate", json={"text": f"request {i} " + "go " * 30, **body},

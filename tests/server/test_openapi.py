@@ -24,7 +24,7 @@ RUNNING = 4
 def fuzzed(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     """A short context and few running slots keep every generation the fuzzer asks for small."""
     server = ServerProcess(str(tiny_model_dir), ["--num-threads", "1", "--context-length", str(CONTEXT),
-                                                 "--max-running-requests", str(RUNNING),
+                                                 "--max-total-tokens", "16384", "--max-running-requests", str(RUNNING),
                                                  "--max-queued-requests", "64"]).start()
     yield server
     code = server.stop()
