@@ -40,7 +40,7 @@ from runtime.models.loader import resolve_model_path
 T = TypeVar("T")
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"dtype": "float32", "quantization": "int8"}}
+           "int8": {"quantization": "int8"}}  # as the flag alone gives it: activations and KV in the default dtype
 
 
 class Timers:
