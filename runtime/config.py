@@ -168,6 +168,12 @@ class ServerArgs:
         aliases=("--speculative-draft-model-path",))
     speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request verifies per step (K); each request "
                                              "drafts fewer while its drafts are rejected.")
+    speculative_draft_budget: str = _opt(
+        "auto", "How long drafts may be in a step: auto = the length that pays at the current batch on this "
+        "machine, learnt from the measured time of steps with more or fewer rows and the acceptance rate (a "
+        "draft row is nearly free while a step is bound by reading the weights, and costs a decode row's time "
+        "once it is compute-bound); full = always up to K (each request still backs off on rejections).",
+        ("auto", "full"))
     speculative_ngram_min_match_window_size: int = _opt(
         2, "Shortest suffix of a request (tokens) that must match earlier text for a draft to be proposed.")
     speculative_ngram_max_match_window_size: int = _opt(

@@ -244,6 +244,8 @@ class Scheduler:
     def _record(self, inp: ForwardInput) -> None:
         seconds = time.perf_counter() - inp.started
         self.stats.record_step(inp.num_decodes + inp.accepted_drafts, inp.prefill_tokens, seconds)
+        if self.spec is not None:
+            self.spec.observe_step(inp.step.forward.num_tokens, seconds)
         self._log_step(inp.prefills, inp.num_decodes)
 
     # ------------------------------------------------------------------ 1. schedule

@@ -5,7 +5,8 @@ One way through the code: a decode is a plan of one new token; with a draft it i
 * schedule: once every running request holds the slot of its next token (retracting if memory is short),
   :meth:`Speculation.add_drafts` asks the drafter (``runtime.speculative.drafter``: n-gram drafts or a draft
   model, the class :data:`DRAFTERS` names for the algorithm) for up to K tokens per eligible request (fewer while
-  its drafts are rejected: ``runtime.speculative.adaptive``); the drafter takes their KV slots through
+  its drafts are rejected: ``runtime.speculative.adaptive``; never longer than the step's cap, the length that
+  pays at this batch on this machine: ``runtime.speculative.step_budget``); the drafter takes their KV slots through
   :class:`StepSlots`, as private slots of the request, only from memory that is available (free or evictable)
   — a draft never retracts anyone;
 * the batch: the plan's input is the last real token and the draft, with a logits row at each position
@@ -30,6 +31,7 @@ from; speculation is off with it (a start-up log line says so, and no draft mode
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -44,6 +46,7 @@ from runtime.speculative.adaptive import DraftLength
 from runtime.speculative.drafter import Drafter, DraftJob
 from runtime.speculative.model_drafter import ModelDrafter
 from runtime.speculative.ngram import NgramConfig, NgramDrafter
+from runtime.speculative.step_budget import BUDGETS, DraftBudget
 from runtime.speculative.verify import verify_rows
 
 logger = logging.getLogger(__name__)
@@ -86,7 +89,8 @@ def make_speculation(args: ServerArgs, overlap: bool, runner: ModelRunner | None
     drafter = DRAFTERS[args.speculative_algorithm](args, runner)
     step_tokens = min(args.chunk_size or args.max_prefill_tokens, args.max_prefill_tokens)
     # half a step's token budget at most
-    return Speculation(drafter, args.speculative_num_draft_tokens, max(1, step_tokens // 2))
+    budget = BUDGETS[args.speculative_draft_budget](args.speculative_num_draft_tokens)
+    return Speculation(drafter, budget, max(1, step_tokens // 2))
 
 
 class StepSlots:
@@ -116,9 +120,10 @@ class StepSlots:
 
 
 class Speculation:
-    def __init__(self, drafter: Drafter, max_k: int, max_step_tokens: int):
+    def __init__(self, drafter: Drafter, budget: DraftBudget, max_step_tokens: int):
         self.drafter = drafter
-        self.max_k = max_k  # K: most draft tokens per request per step
+        self.budget = budget  # the step's cap on draft lengths (the length that pays, or always K)
+        self.max_k = budget.max_k  # K: most draft tokens per request per step
         self.max_step_tokens = max_step_tokens  # most draft tokens in one step
 
     def new_state(self) -> DraftLength:
@@ -134,13 +139,14 @@ class Speculation:
             if req.spec is None or req.grammar is not None or req.kv is None:
                 continue
             # never past max_new_tokens or the context: every emitted token must be one the request may emit
-            room = req.tokens_left(context_length) - 1
-            k = min(req.spec.want(), room)
+            k = min(req.spec.want(), req.tokens_left(context_length) - 1)
             if k > 0:
                 chosen.append(plan)
                 jobs.append(DraftJob(req.tokens, req.options.cache_namespace, k, req.kv.row))
-        if not jobs:
+        cap = self.budget.cap(len(plans), len(jobs))  # what pays at this batch on this machine
+        if cap <= 0:
             return
+        jobs = [dataclasses.replace(job, k=min(job.k, cap)) for job in jobs]
         slots = StepSlots(chosen, cache, self.max_step_tokens)
         for plan, draft, reserved in zip(chosen, self.drafter.draft(jobs, slots), slots.reserved):
             assert len(draft) == reserved, f"a draft of {len(draft)} tokens in {reserved} slots"
@@ -152,6 +158,7 @@ class Speculation:
         ``accepted``."""
         assert req.spec is not None and req.kv is not None
         req.spec.update(drafted, accepted)
+        self.budget.verified(drafted, accepted)
         stats.record_verification(drafted, accepted)
         release_tail(cache, req.kv, len(req.tokens) - 1)
         return accepted
@@ -163,6 +170,10 @@ class Speculation:
         if req.kv is not None and req.kv_len > len(req.tokens):
             release_tail(cache, req.kv, len(req.tokens))
         self.drafter.finished(req.tokens, req.cached_tokens, req.options.cache_namespace)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A forward step of ``rows`` rows took ``seconds`` (what the step budget learns from)."""
+        self.budget.observe(rows, seconds)
 
     def clear(self) -> None:
         self.drafter.clear()

@@ -25,7 +25,10 @@ from runtime.core.sampling_params import SamplingParams
 from runtime.scheduler.speculation import make_speculation
 from tests.runtime.test_overlap import make_scheduler, prompts
 
-SPEC: dict[str, Any] = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 5}
+# "full": every step drafts as far as each request's own length allows, so the paths under test really run (the
+# default "auto" budget may find that drafts do not pay on a given machine; tests/runtime/test_step_budget.py)
+SPEC: dict[str, Any] = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 5,
+                        "speculative_draft_budget": "full"}
 DET: dict[str, Any] = {"enable_deterministic_inference": True}
 REPEAT = list(range(300, 340))
 

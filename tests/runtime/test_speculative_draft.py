@@ -34,7 +34,8 @@ OPTS: dict[str, Any] = {"max_total_tokens": 8192, "dtype": "float32", **DET}
 
 
 def draft(path: Path, k: int = 5) -> dict[str, Any]:
-    return {"speculative_algorithm": "draft", "speculative_draft_model": str(path), "speculative_num_draft_tokens": k}
+    return {"speculative_algorithm": "draft", "speculative_draft_model": str(path), "speculative_num_draft_tokens": k,
+            "speculative_draft_budget": "full"}  # every step drafts, so the paths under test really run
 
 
 def spec_stats(engine: Any) -> dict[str, Any]:

@@ -34,7 +34,8 @@ def test_server_reports_speculation_and_outputs_are_unchanged(tiny_model_dir: Pa
     """ngram drafts from the first request's output; the draft model (here the served model itself, so nearly
     every draft is accepted) drafts from the start."""
     ids = list(range(400, 430)) * 3
-    flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "6"]
+    flags = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "6",
+             "--speculative-draft-budget", "full"]  # every step drafts: the figures under test must be there
     if algorithm == "draft":
         flags += ["--speculative-draft-model", str(tiny_model_dir)]
     spec = ServerProcess(str(tiny_model_dir), [*ARGS, *flags]).start()
