@@ -3,8 +3,9 @@
 // decode_attention: each decoding request's query heads attend its KV *in place* in the paged pool
 //   (fp32 or bf16), through its row of slot indices: no gather of the KV into a padded copy, which at
 //   batch 32 over 1k-token contexts cost more than the attention itself. Work is split over (request,
-//   KV head, KV range) so that one long request still uses every core; the partial results of a request's
-//   ranges are merged by log-sum-exp in a fixed order. The log-sum-exp is returned for cascade merging.
+//   KV head, KV range of 256 positions) so that one long request still uses every core; the partial results
+//   of a request's ranges are merged by log-sum-exp in a fixed order. The ranges depend on the request's own
+//   length only, so a row's result does not depend on the batch. The log-sum-exp is returned for cascade merging.
 //
 // linear_packed: y = x @ W.T over a weight packed k-major in panels of 64 output columns (fp32, bf16, or int8
 //   with a per-output scale: weight-only quantization). For decode-sized batches every weight is read from

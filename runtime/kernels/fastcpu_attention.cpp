@@ -9,6 +9,7 @@ using namespace fastcpu;
 constexpr int kTile = 16;  // KV positions scored at once
 constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector path
 constexpr int kMaxDim = 256;
+constexpr int64_t kRange = 256;  // KV positions of one work item (a row's ranges start at 0, kRange, ...)
 
 // Software prefetch of one head's row of K or V, a tile ahead: the rows of a request are scattered over the
 // pool (one slot each), so the hardware's stream prefetchers cannot see the next one coming.
@@ -94,19 +95,11 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
                                                  double scale, int64_t hkv) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), group = h / hkv, width = kv_index.size(1);
   const int64_t max_len = lengths.numel() ? lengths.max().item<int64_t>() : 0;
-  const int64_t threads = at::get_num_threads();
-  // Enough ranges that every core has work even for one request, and a count of items the threads share
-  // evenly where possible (one request of 3 KV heads on 2 threads: 12 items, not 9 split 5 / 4); none
-  // shorter than 64 positions.
-  const int64_t max_splits = std::max<int64_t>(1, (max_len + 63) / 64);
-  int64_t splits = std::max<int64_t>(1, (4 * threads + b * hkv - 1) / (b * hkv));
-  for (int64_t s = splits; s < splits + threads && s <= max_splits; ++s) {
-    if ((b * hkv * s) % threads == 0) {
-      splits = s;
-      break;
-    }
-  }
-  splits = std::min(splits, max_splits);
+  // Ranges of kRange positions from each row's start, whatever the batch: a row's arithmetic (its ranges and
+  // their merge order) depends on its own length only, so a decode row gives the same bits alone, in a batch
+  // or as one of a verified draft's rows (speculative decoding's outputs equal those without). One long row
+  // still spreads over the cores (1,000 positions: 4 ranges per KV head).
+  const int64_t splits = std::max<int64_t>(1, (max_len + kRange - 1) / kRange);
   auto opts = q.options().dtype(torch::kFloat32);
   torch::Tensor part_m = torch::empty({b, splits, h}, opts);
   torch::Tensor part_l = torch::empty({b, splits, h}, opts);
@@ -124,8 +117,8 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   at::parallel_for(0, b * hkv * splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t sp = item % splits, kvh = (item / splits) % hkv, r = item / (splits * hkv);
-      const int64_t len = lens[r], chunk = (len + splits - 1) / splits;
-      const int64_t j0 = std::min(len, sp * chunk), j1 = std::min(len, j0 + chunk);
+      const int64_t len = lens[r];
+      const int64_t j0 = std::min(len, sp * kRange), j1 = std::min(len, j0 + kRange);
       const int64_t base = (r * splits + sp) * h + kvh * group;
       if (j0 >= j1) {
         for (int64_t g = 0; g < group; ++g) {

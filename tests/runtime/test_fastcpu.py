@@ -42,6 +42,27 @@ def test_decode_attention_reads_the_pool_in_place(k, dtype):
         torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
+    # Speculative verification and continuous batching put a request's decode row in batches of any shape;
+    # its result must not change by a bit (greedy outputs with speculation equal those without).
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, pool = 9, 3, 64, 4000
+    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    lengths = torch.tensor([700, 3, 1500, 256, 257])
+    index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)
+    for b, n in enumerate(lengths.tolist()):
+        index[b, :n] = torch.randperm(pool, generator=g)[:n]
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    out, lse = k.decode_attention(q, k_pool, v_pool, index, None, lengths, dim**-0.5, kv_heads)
+    for b, n in enumerate(lengths.tolist()):
+        alone, alone_lse = k.decode_attention(
+            q[b : b + 1], k_pool, v_pool, index[b : b + 1, :n], None, lengths[b : b + 1], dim**-0.5, kv_heads
+        )
+        assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (64, 130)])
 def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
