@@ -1,14 +1,16 @@
 """Speculative decoding on the served default model: the agent and multi-turn workloads at concurrency 1 and 8,
 with and without speculation, in one run.
 
-    python benchmarks/bench_speculative.py [--workloads agent multiturn] [--concurrency 1 8]
-        [--algorithms ngram] [--draft-model PATH] [--json out.json]
+    python benchmarks/bench_speculative.py [--workloads agent multiturn] [--concurrency 1 8] [--repeats 3]
+        [--algorithms ngram] [--draft-model PATH] [--server-args ...] [--json out.json]
 
-For each workload and concurrency, a plain server and one server per speculative algorithm run the same
-requests (the built-in workloads are greedy), one after the other on the same machine. Reported per pair:
-output tokens/s, its ratio to the plain server's, the acceptance rate and tokens per verifying step from the
-server's own counters (``/get_server_info``), and how many answers differ from the plain server's (greedy
-answers are identical with speculation up to float near-ties of a different batch shape).
+A plain server and one server per speculative algorithm stay up for the whole run; each workload at each
+concurrency runs ``--repeats`` times on each, alternating, with the cache flushed before every run (which also
+empties the n-gram store). The built-in workloads are greedy, but their sessions feed each answer back, so a
+float near-tie decided differently (a different batch shape) changes the later requests of a session: the runs
+are short and noisy, hence the repeats. Reported per workload and concurrency: output tokens/s of each run, the
+median of the per-repeat ratios to the plain server, the acceptance rate and tokens per verifying step from the
+server's own counters (``/get_server_info``), and how many answers differ from the plain server's.
 
 Also measured, in-process: what one n-gram proposal costs against a store of finished sequences.
 """
@@ -16,6 +18,7 @@ Also measured, in-process: what one n-gram proposal costs against a store of fin
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from array import array
@@ -27,7 +30,7 @@ from engine_steps import cpu_simd, emit
 
 from runtime.bench.client import RunResult, run_workload
 from runtime.bench.metrics import summarize
-from runtime.bench.servers import radixserve_server
+from runtime.bench.servers import ManagedServer, radixserve_server
 from runtime.bench.workloads import make_workload
 from runtime.speculative.ngram import NgramConfig, NgramDrafter
 
@@ -36,14 +39,9 @@ def answers(run: RunResult) -> dict[str, str]:
     return {r.id: r.texts.get(0, "") for r in run.records}
 
 
-def serve_and_run(logs: Path, name: str, extra: list[str], wl: dict[str, Any], concurrency: int) -> RunResult:
-    server = radixserve_server(logs / name, extra=extra)
+def start(logs: Path, name: str, extra: list[str]) -> ManagedServer:
     (logs / name).mkdir(parents=True, exist_ok=True)
-    server.start(timeout=900)
-    try:
-        return run_workload(server.url, wl, concurrency=concurrency, label=f"{name} c{concurrency}")
-    finally:
-        server.stop()
+    return radixserve_server(logs / name, extra=extra).start(timeout=900)
 
 
 def drafting_cost(sequences: int = 200, length: int = 1000, request: int = 4000, calls: int = 200) -> dict[str, float]:
@@ -64,10 +62,27 @@ def drafting_cost(sequences: int = 200, length: int = 1000, request: int = 4000,
             "store_tokens": sequences * length, "request_tokens": request}
 
 
+def compare(runs: dict[str, list[RunResult]], algorithms: list[str]) -> dict[str, Any]:
+    """Per algorithm: tokens/s of each repeat, the ratios to the plain server's, their median, what speculation
+    did, and how many answers differ from the plain run of the same repeat."""
+    plain = [summarize(r, "plain") for r in runs["plain"]]
+    row: dict[str, Any] = {"plain": {"output_tok_per_s": [s["output_tok_per_s"] for s in plain]}}
+    for alg in algorithms:
+        spec = [summarize(r, alg) for r in runs[alg]]
+        ratios = [s["output_tok_per_s"] / p["output_tok_per_s"] for s, p in zip(spec, plain)]
+        row[alg] = {"output_tok_per_s": [s["output_tok_per_s"] for s in spec], "speedups": ratios,
+                    "speedup_median": statistics.median(ratios), "speculation": [s["speculation"] for s in spec],
+                    "answers_differing": [sum(1 for k, v in answers(r).items() if answers(p).get(k) != v)
+                                          for r, p in zip(runs[alg], runs["plain"])],
+                    "answers": len(runs[alg][0].records), "errors": sum(s["errors"] for s in spec + plain)}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", nargs="+", default=["agent", "multiturn"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each workload and concurrency on each server")
     ap.add_argument("--algorithms", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     ap.add_argument("--draft-model", help="the draft model for --algorithms draft")
     ap.add_argument("--server-args", nargs="*", default=[], help="extra flags for every server (e.g. --dtype float32)")
@@ -79,25 +94,25 @@ def main() -> None:
              "draft": ["--speculative-algorithm", "draft", "--speculative-draft-model", str(a.draft_model)]}
     logs = Path(tempfile.mkdtemp(prefix="radixserve-spec-"))
     result: dict[str, Any] = {"cpu": cpu_simd(), "threads": torch.get_num_threads(), "server_args": a.server_args,
-                              "drafting": drafting_cost(), "runs": []}
-    for workload in a.workloads:
-        wl = make_workload(workload)
-        for conc in a.concurrency:
-            plain = serve_and_run(logs, "plain", a.server_args, wl, conc)
-            base = summarize(plain, "radixserve")
-            row: dict[str, Any] = {"workload": workload, "concurrency": conc,
-                                   "plain": {"output_tok_per_s": base["output_tok_per_s"], "wall_s": base["wall_s"]}}
-            for alg in a.algorithms:
-                run = serve_and_run(logs, alg, a.server_args + flags[alg], wl, conc)
-                s = summarize(run, f"radixserve {alg}")
-                same = answers(plain)
-                row[alg] = {"output_tok_per_s": s["output_tok_per_s"], "wall_s": s["wall_s"],
-                            "speedup": s["output_tok_per_s"] / base["output_tok_per_s"],
-                            "speculation": s["speculation"],
-                            "answers_differing": sum(1 for k, v in answers(run).items() if same.get(k) != v),
-                            "answers": len(run.records), "errors": s["errors"] + base["errors"]}
-            result["runs"].append(row)
-            print(row)
+                              "repeats": a.repeats, "drafting": drafting_cost(), "runs": []}
+    servers = {"plain": start(logs, "plain", a.server_args)}
+    try:
+        for alg in a.algorithms:
+            servers[alg] = start(logs, alg, a.server_args + flags[alg])
+        for workload in a.workloads:
+            wl = make_workload(workload)
+            for conc in a.concurrency:
+                runs: dict[str, list[RunResult]] = {name: [] for name in servers}
+                for i in range(a.repeats):
+                    for name, server in servers.items():
+                        runs[name].append(run_workload(server.url, wl, concurrency=conc, flush=True,
+                                                       label=f"{name} {workload} c{conc} #{i + 1}"))
+                row = {"workload": workload, "concurrency": conc, **compare(runs, a.algorithms)}
+                result["runs"].append(row)
+                print({k: v for k, v in row.items() if k != "plain"}, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
     emit(result, a.json)
 
 
