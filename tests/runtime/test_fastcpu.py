@@ -63,6 +63,32 @@ def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
         assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype):
+    # A verified draft (or a short prefill chunk) is several tokens reading one KV row; the kernel attends them
+    # in one pass over the KV, and each token's result must be the bits it gets alone (speculation exact).
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, pool = 9, 3, 64, 4000
+    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(pool, generator=g)[:900] for _ in range(2)])
+    # row 0: seven tokens ending at 254..260 (across a range boundary, more than one pass of 5); a decode row
+    # of row 1; three tokens of row 0 again, short
+    rows = torch.tensor([0] * 7 + [1] + [0] * 3)
+    lengths = torch.tensor([254, 255, 256, 257, 258, 259, 260, 900, 1, 2, 17])
+    q = torch.randn(len(rows), heads, dim, generator=g)
+    out, lse = k.decode_attention(q, k_pool, v_pool, index, rows, lengths, dim**-0.5, kv_heads)
+    for t in range(len(rows)):
+        alone, alone_lse = k.decode_attention(q[t : t + 1], k_pool, v_pool, index[rows[t] : rows[t] + 1], None,
+                                              lengths[t : t + 1], dim**-0.5, kv_heads)
+        assert torch.equal(alone[0], out[t]) and torch.equal(alone_lse[0], lse[t]), t
+        keys = k_pool[index[rows[t], : lengths[t]]].float().view(-1, kv_heads, dim).repeat_interleave(3, 1)
+        vals = v_pool[index[rows[t], : lengths[t]]].float().view(-1, kv_heads, dim).repeat_interleave(3, 1)
+        scores = torch.einsum("hd,nhd->hn", q[t], keys) * dim**-0.5
+        torch.testing.assert_close(out[t], torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), vals),
+                                   rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (64, 130)])
 def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
