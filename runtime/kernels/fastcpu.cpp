@@ -185,23 +185,12 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, c1
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == k && packed.size(2) == kPanel &&
               packed.size(0) * kPanel >= n, "packed weight must be [ceil(N/64), K, 64]");
   const float* sp = nullptr;
-  const float* bp = nullptr;
   if (scale.has_value()) {
     TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() && scale->numel() >= n, "bad scale");
     sp = scale->data_ptr<float>();
   }
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value()) {
-    y = *out;
-    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
-                y.stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({m, n}, x.options());
-  }
+  const float* bp = fastcpu::bias_data(bias, n);
+  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (packed.scalar_type()) {

@@ -134,19 +134,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
               packed.size(1) == pairs && packed.size(2) == kPairElems && packed.size(0) * kPanel >= n,
               "packed weight must be bfloat16 [ceil(N/64), ceil(K/2), 128]");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value()) {
-    y = *out;
-    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
-                y.stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({m, n}, x.options());
-  }
+  const float* bp = fastcpu::bias_data(bias, n);
+  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
   if (m == 0) return y;
   const std::vector<uint32_t> xp = pair_rows(x.data_ptr<float>(), x.stride(0), m, k);
   linear_bf16_impl(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,

@@ -196,19 +196,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torc
               "packed weight must be uint8 [ceil(N/64), ceil(K/4), 256]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() >= n, "bad scale");
   TORCH_CHECK(block >= 0 && block % 16 == 0, "block must be a multiple of 16 (0: whole rows)");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
-    bp = bias->data_ptr<float>();
-  }
-  torch::Tensor y;
-  if (out.has_value()) {
-    y = *out;
-    TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
-                y.stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
-  } else {
-    y = torch::empty({m, n}, x.options());
-  }
+  const float* bp = fastcpu::bias_data(bias, n);
+  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
   if (m == 0) return y;
   const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
   const QuantRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, blk);

@@ -1,6 +1,6 @@
-// Vector helpers shared by the fastcpu kernels (fastcpu.cpp, fastcpu_attention.cpp): 16-float GCC vectors,
-// loads that widen bf16 / int8 to fp32, stores that round to bf16 as torch does, transposed horizontal sums
-// and a vectorised exp.
+// Helpers shared by the fastcpu kernels (fastcpu*.cpp): 16-float GCC vectors, loads that widen bf16 / int8 to
+// fp32, stores that round to bf16 as torch does, transposed horizontal sums, a vectorised exp, and the checks
+// of the linear kernels' optional bias and output.
 #pragma once
 
 #include <torch/extension.h>
@@ -16,6 +16,22 @@
 #include <vector>
 
 namespace fastcpu {
+
+// The linear kernels' optional bias: float32 [n] (null when absent).
+inline const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
+  return bias->data_ptr<float>();
+}
+
+// The linear kernels' result: ``out`` when given (the product is added to it), else a new float32 [m, n].
+inline torch::Tensor output_rows(const c10::optional<torch::Tensor>& out, const torch::Tensor& x, int64_t m,
+                                 int64_t n) {
+  if (!out.has_value()) return torch::empty({m, n}, x.options());
+  TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->dim() == 2 && out->size(0) == m && out->size(1) == n &&
+              out->stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
+  return *out;
+}
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

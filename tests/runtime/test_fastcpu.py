@@ -22,12 +22,16 @@ def k():
     return load_kernels("fastcpu")
 
 
+def kv_pools(g: torch.Generator, slots: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V pools of ``slots`` rows of ``width`` values."""
+    return (torch.randn(slots, width, generator=g).to(dtype), torch.randn(slots, width, generator=g).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_reads_the_pool_in_place(k, dtype):
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, pool = 9, 3, 64, 3000
-    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
-    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, dtype)
     lengths = torch.tensor([1, 15, 16, 17, 300, 1200])
     index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)  # padding: slot 0, never read
     for b, n in enumerate(lengths.tolist()):
@@ -48,8 +52,7 @@ def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
     # its result must not change by a bit (greedy outputs with speculation equal those without).
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, pool = 9, 3, 64, 4000
-    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
-    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, dtype)
     lengths = torch.tensor([700, 3, 1500, 256, 257])
     index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)
     for b, n in enumerate(lengths.tolist()):
@@ -69,8 +72,7 @@ def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype):
     # in one pass over the KV, and each token's result must be the bits it gets alone (speculation exact).
     g = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, pool = 9, 3, 64, 4000
-    k_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
-    v_pool = torch.randn(pool, kv_heads * dim, generator=g).to(dtype)
+    k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, dtype)
     index = torch.stack([torch.randperm(pool, generator=g)[:900] for _ in range(2)])
     # row 0: seven tokens ending at 254..260 (across a range boundary, more than one pass of 5); a decode row
     # of row 1; three tokens of row 0 again, short

@@ -92,6 +92,24 @@ def test_seeded_sampling_identical_with_penalties_and_min_tokens(tiny_engine):
     assert accepted(eng) > 0
 
 
+def stop_cases(outputs: list, tokenizer: Any) -> list[dict]:
+    """Per greedy output ``(ids, finish)``: a stop token, a stop string or a length limit that ends it early, in
+    turn (so a draft running past the stop point must be cut exactly there)."""
+    params: list[dict] = []
+    for i, (ids, _f) in enumerate(outputs):
+        p: dict = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 30}
+        if i % 3 == 0:
+            p["stop_token_ids"] = [ids[9 + i]]
+        elif i % 3 == 1:
+            text = tokenizer.decode(ids[12:13]).strip()
+            if text:
+                p["stop"] = [text[:3]]
+        else:
+            p["max_new_tokens"] = 1 + i
+        params.append(p)
+    return params
+
+
 def test_stops_inside_an_accepted_run_and_length_limits(tiny_engine):
     """The store first holds free runs (so drafts run past the stop point); then stop tokens, stop strings and
     max_new_tokens from 1 up must end the output exactly where they do without speculation."""
@@ -99,19 +117,7 @@ def test_stops_inside_an_accepted_run_and_length_limits(tiny_engine):
     free = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
     lock = tiny_engine(**DET)
     ref_free = ids_and_finish(run(lock, ps, free))
-    tok = lock.tokenizer
-    params: list[dict] = []
-    for i, (ids, _f) in enumerate(ref_free):
-        p: dict = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 30}
-        if i % 3 == 0:
-            p["stop_token_ids"] = [ids[9 + i]]
-        elif i % 3 == 1:
-            text = tok.decode(ids[12:13]).strip()
-            if text:
-                p["stop"] = [text[:3]]
-        else:
-            p["max_new_tokens"] = 1 + i
-        params.append(p)
+    params = stop_cases(ref_free, lock.tokenizer)
     ref = ids_and_finish(run(lock, ps, params))
     assert any(f["type"] == "stop" for _ids, f in ref)
     eng = tiny_engine(**DET, **SPEC)

@@ -27,7 +27,14 @@ from runtime.executor.draft_model import load_draft
 from runtime.scheduler.speculation import make_speculation
 from tests.conftest import TOKENIZER_FILES, checked_engine
 from tests.runtime.test_overlap import make_scheduler
-from tests.runtime.test_speculative import REPEAT, ids_and_finish, repeating_prompts, run, small_vocab_model
+from tests.runtime.test_speculative import (
+    REPEAT,
+    ids_and_finish,
+    repeating_prompts,
+    run,
+    small_vocab_model,
+    stop_cases,
+)
 
 DET: dict[str, Any] = {"enable_deterministic_inference": True}
 OPTS: dict[str, Any] = {"max_total_tokens": 8192, "dtype": "float32", **DET}
@@ -146,18 +153,7 @@ def test_stops_inside_an_accepted_run_and_length_limits(tiny_engine, tiny_model_
     ps = repeating_prompts()
     lock = tiny_engine(**DET)
     free = ids_and_finish(run(lock, ps, {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}))
-    params: list[dict] = []
-    for i, (ids, _f) in enumerate(free):
-        p: dict = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 30}
-        if i % 3 == 0:
-            p["stop_token_ids"] = [ids[9 + i]]
-        elif i % 3 == 1:
-            text = lock.tokenizer.decode(ids[12:13]).strip()
-            if text:
-                p["stop"] = [text[:3]]
-        else:
-            p["max_new_tokens"] = 1 + i
-        params.append(p)
+    params = stop_cases(free, lock.tokenizer)
     ref = ids_and_finish(run(lock, ps, params))
     assert any(f["type"] == "stop" for _ids, f in ref)
     eng = tiny_engine(**DET, **draft(tiny_model_dir))
