@@ -407,18 +407,22 @@ def test_reader_chasing_a_writer_never_sees_a_partial_file(tmp_path: Path) -> No
 
 
 # ------------------------------------------------------------------------------------------- SIGKILL
+KILLED_SHAPE = (8, 2, 64, 8, 64)  # 2 MiB blocks
+
+
 def _endless_writer(root: str) -> None:
     store = DiskKVStore(root, fingerprint())
+    kv = block_kv(0, KILLED_SHAPE)  # one payload made once: the loop spends its time in put(), mostly mid-write
     h = 1
     while True:
-        store.put(h, block_kv(h, (8, 2, 64, 8, 64)))  # 2 MiB blocks: most of the time is spent mid-write
+        store.put(h, kv)
         h += 1
 
 
 def test_sigkilled_writer_leaves_a_usable_directory(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     stale: list[Path] = []
-    for _ in range(5):  # until the kill lands mid-write (almost always the first time)
+    for _ in range(20):  # until the kill lands mid-write (almost always the first time)
         p = ctx.Process(target=_endless_writer, args=(str(tmp_path),))
         p.start()
         deadline = time.monotonic() + 120
@@ -439,7 +443,7 @@ def test_sigkilled_writer_leaves_a_usable_directory(tmp_path: Path) -> None:
     for f in store.directory.rglob("*.kv"):
         h = int(f.stem, 16)
         out = store.get(h)
-        assert out is not None and torch.equal(out, block_kv(h, (8, 2, 64, 8, 64)))
+        assert out is not None and torch.equal(out, block_kv(0, KILLED_SHAPE)), h
     assert store.stats().corrupted == 0
 
 
