@@ -26,7 +26,7 @@ inline void prefetch_row(const KV* row, int64_t d) {
 // One (KV row, KV head, position range): online softmax over the range for G query heads that share the KV
 // head — the head's query heads of one token, or of several tokens of one request (a verified draft, a short
 // prefill chunk), so that each K and V row is loaded once for all of them. Head g sees positions below hi[g]
-// (its token's length; hi null: all of them up to j1). Writes the running max, sum and unnormalised output of
+// (its token's length). Writes the running max, sum and unnormalised output of
 // each head. A head's arithmetic is the same whichever heads share its call: tiles past its length are skipped
 // for it, and positions past its length within a tile get weight exactly 0 — so a token's result does not
 // depend on which tokens it was batched with.
@@ -76,7 +76,7 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
     for (int64_t t = n; t < kTile; ++t)
       for (int64_t g = 0; g < group; ++g) s[g][t] = -INFINITY;
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t ng = hi ? std::min<int64_t>(n, hi[g] - j) : n;  // positions of this tile head g sees
+      const int64_t ng = std::min<int64_t>(n, hi[g] - j);  // positions of this tile head g sees
       if (ng <= 0) {  // past this head's token: the tile does not exist for it
         for (int64_t t = 0; t < kTile; ++t) s[g][t] = 0.f;
         continue;

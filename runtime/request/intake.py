@@ -271,7 +271,7 @@ def check(single: SingleRequest, limits: Limits) -> None:
     that compiles; and the logprob alternatives any API may ask for."""
     ids = single.input_ids
     prompt_field = "text" if single.text is not None else "input_ids"
-    if not ids:
+    if not ids:  # before anything else reads the prompt (``length_refusal`` states it too, for the scheduler)
         raise IntakeError(prompt_field, "the prompt is empty")
     vocab = limits.vocab_size
     if any(t < 0 or t >= vocab for t in ids):

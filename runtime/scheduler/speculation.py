@@ -122,12 +122,11 @@ class StepSlots:
 class Speculation:
     def __init__(self, drafter: Drafter, budget: DraftBudget, max_step_tokens: int):
         self.drafter = drafter
-        self.budget = budget  # the step's cap on draft lengths (the length that pays, or always K)
-        self.max_k = budget.max_k  # K: most draft tokens per request per step
+        self.budget = budget  # the step's cap on draft lengths (the length that pays, or always K); max_k: K
         self.max_step_tokens = max_step_tokens  # most draft tokens in one step
 
     def new_state(self) -> DraftLength:
-        return DraftLength(self.max_k)
+        return DraftLength(self.budget.max_k)
 
     def add_drafts(self, plans: Sequence[PrefillPlan], cache: PrefixCache, context_length: int) -> None:
         """Give the decode ``plans`` (each holding its next token's slot) their drafts and the drafts' slots, at
