@@ -60,11 +60,11 @@ def run_server(log_dir: Path, name: str, extra: list[str], wl: dict[str, Any], c
     return result, info
 
 
-def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 32) -> tuple[str, float, int]:
-    """One streamed greedy chat turn: (answer, time to first token, cached prompt tokens)."""
+def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 32) -> tuple[str, float, int, int]:
+    """One streamed greedy chat turn: (answer, time to first token, cached prompt tokens, prompt tokens)."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    t0, first, text, cached = time.perf_counter(), None, "", 0
+    t0, first, text, cached, prompt = time.perf_counter(), None, "", 0, 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -79,7 +79,8 @@ def chat(url: str, messages: list[dict[str, str]], max_tokens: int = 32) -> tupl
             usage = chunk.get("usage")
             if usage:
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return text, (first or time.perf_counter()) - t0, cached
+                prompt = usage.get("prompt_tokens", 0)
+    return text, (first or time.perf_counter()) - t0, cached, prompt
 
 
 DOCUMENT_WORDS = 700  # about 1,000 tokens of history per conversation before the restart
@@ -114,7 +115,7 @@ def restart(log_dir: Path, model: str, sessions: int, common: list[str]) -> dict
             history = list(sess["messages"])
             for step in sess["steps"][:2]:
                 history = history + step["append"]
-                answer, _t, _c = chat(first.url, history)
+                answer, *_ = chat(first.url, history)
                 history = history + [{"role": "assistant", "content": answer}]
             histories.append(history + sess["steps"][2]["append"])
         for _ in range(600):  # the writer stores blocks in the background: wait until its queue is empty
@@ -133,12 +134,17 @@ def restart(log_dir: Path, model: str, sessions: int, common: list[str]) -> dict
         try:
             chat(server.url, [{"role": "user", "content": "warm-up"}], 4)
             got = [chat(server.url, h) for h in histories]
+            tiers = httpx.get(server.url + "/get_server_info", timeout=60).json()["cache"].get("tiers", {})
         finally:
             server.stop()
-        answers[name] = [a for a, _t, _c in got]
-        ttft = [t for _a, t, _c in got]
+        answers[name] = [g[0] for g in got]
+        ttft = [g[1] for g in got]
         out[name] = {"ttft_mean_s": round(statistics.mean(ttft), 4), "ttft_median_s": round(statistics.median(ttft), 4),
-                     "cached_tokens_mean": round(statistics.mean(c for _a, _t, c in got), 1)}
+                     "cached_tokens_mean": round(statistics.mean(g[2] for g in got), 1),
+                     "prompt_tokens_mean": round(statistics.mean(g[3] for g in got), 1)}
+        if "disk" in tiers:  # what loading the stored prefixes cost, next to the time to first token
+            out[name]["disk_loads"] = tiers["disk"]["loads"]
+            out[name]["disk_mean_load_ms"] = tiers["disk"]["mean_load_ms"]
     out["ttft_speedup_warm_vs_cold"] = round(out["cold"]["ttft_mean_s"] / out["warm"]["ttft_mean_s"], 2)
     out["answers_differing"] = sum(a != b for a, b in zip(answers["warm"], answers["cold"]))
     return out

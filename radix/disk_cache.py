@@ -14,7 +14,10 @@ a full disk. What this class adds:
   host part (as the host tier does); then, if the match stops short of the caller's key, it reads the disk
   blocks from the one holding the match's end on, in order, up to the first missing or corrupt one;
   allocates device slots for the new positions (the matched prefix locked meanwhile, so making room cannot
-  evict it), copies the KV in, inserts the tokens into the tree and returns a fresh device match. Only
+  evict it), copies each block's KV in as it is read (``DiskTier.load``), inserts the tokens into the tree
+  and returns a fresh device match. The inserted nodes get no host copy at once, even under write_through:
+  the disk holds them, and copying them to the host would only delay the request's first token (they are
+  copied to the host if they are evicted from the device, as any node without a host copy is). Only
   blocks that lie wholly inside ``key`` are used: the caller's key is what it may reuse, and a block's hash
   needs all its tokens.
 
@@ -109,26 +112,37 @@ class DiskTieredRadixCache(HierarchicalRadixCache):
         if first >= last:
             return match
         t0 = time.perf_counter()
-        blocks = self.disk.read(key, namespace, first, last - first)
-        if not blocks:
+        hashes = self.disk.present(key, namespace, first, last - first)
+        if not hashes:
             return match
-        end = (first + len(blocks)) * bt
         anchor = match.last_node
         self.lock(anchor)  # making room below must not evict the matched prefix
         try:
             try:
-                slots = self._alloc_device(end - start)
+                slots = self._alloc_device((first + len(hashes)) * bt - start)
             except KVOutOfMemoryError:
                 return match
-            kv = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
-            kv = kv[:, :, start - first * bt :]
+            skip = start - first * bt  # the match may end inside the first block: its head is cached already
+
+            def place(i: int, kv: torch.Tensor) -> None:
+                lo = 0 if i == 0 else i * bt - skip
+                kv = kv[:, :, skip:] if i == 0 else kv
+                self.device_kv.write(slots[lo : lo + kv.shape[2]], kv[:, 0], kv[:, 1])
+
             try:
-                self.device_kv.write(slots, kv[:, 0], kv[:, 1])  # a tensor-parallel pool's copy may fail
+                loaded = self.disk.load(hashes, place)  # a tensor-parallel pool's copy may fail
             except BaseException:
                 self.allocator.free(slots)
                 raise
+            end = (first + loaded) * bt
+            if end <= start:
+                self.allocator.free(slots)
+                return match
+            if end - start < len(slots):  # a block failed its checks: the ones after it are not used
+                self.allocator.free(slots[end - start :])
+                slots = slots[: end - start]
             every = torch.cat([match.kv_indices, slots])
-            cached = self.insert(key[: 4 * end], every, namespace)
+            cached = self.insert(key[: 4 * end], every, namespace, host_copy=False)  # the disk has it
             if cached > start:  # the tree had those positions already: ours are duplicates
                 self.allocator.free(every[start:cached])
         finally:

@@ -250,6 +250,11 @@ class BlockCorrupt(Exception):
     """A block file failed verification (the message says how)."""
 
 
+def header_length(ndim: int) -> int:
+    """Bytes before the payload in the file of a block with ``ndim`` dimensions (padding included)."""
+    return -(-(_FIXED.size + 8 * ndim + _HEADER_SUM) // _ALIGN) * _ALIGN
+
+
 def encode_header(
     block_hash: int, fingerprint_digest: bytes, dtype: torch.dtype, shape: Sequence[int], payload: memoryview
 ) -> bytes:
@@ -258,8 +263,7 @@ def encode_header(
     if len(name) > 16:
         raise ValueError(f"dtype name too long for the block header: {dtype}")
     ndim = len(shape)
-    used = _FIXED.size + 8 * ndim + _HEADER_SUM
-    header_len = -(-used // _ALIGN) * _ALIGN
+    header_len = header_length(ndim)
     checksum = xxhash.xxh3_128_digest(payload)
     body = _FIXED.pack(
         MAGIC, BLOCK_VERSION, ndim, header_len, block_hash, payload.nbytes, fingerprint_digest, name.ljust(16, b"\0"),
@@ -269,8 +273,9 @@ def encode_header(
     return body.ljust(header_len, b"\0")
 
 
-def decode_block(buf: bytearray, block_hash: int, fingerprint_digest: bytes) -> torch.Tensor:
-    """The tensor a complete block file ``buf`` holds; ``BlockCorrupt`` if any check fails. Shares ``buf``."""
+def decode_block(buf: bytearray | memoryview, block_hash: int, fingerprint_digest: bytes) -> torch.Tensor:
+    """The tensor a complete block file ``buf`` (writable) holds; ``BlockCorrupt`` if any check fails. Shares
+    ``buf``."""
     if len(buf) < _FIXED.size:
         raise BlockCorrupt(f"file too short ({len(buf)} bytes)")
     magic, version, ndim, header_len, h, payload_len, fp, raw_dtype, checksum = _FIXED.unpack_from(buf)

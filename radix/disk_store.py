@@ -231,17 +231,22 @@ class DiskKVStore:
                 os.utime(path, ns=(now, now))
 
     # ----------------------------------------------------------------- get
-    def get(self, block_hash: int) -> torch.Tensor | None:
+    def get(self, block_hash: int, buffer: bytearray | None = None) -> torch.Tensor | None:
         """The block's KV (a CPU tensor of the shape and dtype it was put with), or None if it is missing or
-        fails verification (then the file is removed). Never raises for I/O errors."""
+        fails verification (then the file is removed). Never raises for I/O errors.
+
+        ``buffer``: where to read the file when it is large enough (else a new one is made), so that a caller
+        reading many blocks in turn reuses memory that is already mapped instead of faulting in fresh pages
+        for each; the tensor returned then shares it, and is only valid until the buffer's next use."""
         t0 = time.perf_counter()
         path = self._path(block_hash)
         try:
             with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
-                buf = bytearray(st.st_size)
-                view, n = memoryview(buf), 0
-                while n < len(buf) and (k := f.readinto(view[n:])):
+                size = st.st_size
+                buf = memoryview(buffer if buffer is not None and len(buffer) >= size else bytearray(size))[:size]
+                n = 0
+                while n < size and (k := f.readinto(buf[n:])):
                     n += k
         except FileNotFoundError:
             self._miss(block_hash)
@@ -255,8 +260,8 @@ class DiskKVStore:
             self._miss(block_hash)
             return None
         try:
-            if n != len(buf):
-                raise BlockCorrupt(f"file shrank while read ({n} of {len(buf)} bytes)")
+            if n != size:
+                raise BlockCorrupt(f"file shrank while read ({n} of {size} bytes)")
             kv = decode_block(buf, block_hash, self._fp)
         except BlockCorrupt as c:
             self._discard_corrupt(block_hash, path, st, str(c))

@@ -17,9 +17,12 @@ in bytes: a block that does not fit is skipped and counted (it is simply a miss 
 waits for disk I/O; ``flush`` waits for the queue to drain (the cache calls it on ``reset``; it also runs
 at interpreter exit). A SIGKILL loses what was queued, which is safe: the store writes atomically.
 
-Reads (``read``) walk the hash chain from a given block, stop at the first block the store does not have
-or cannot verify (``DiskKVStore.get`` returns None for a corrupt file, never wrong data) and check each
-payload's shape and dtype before handing it out.
+Reads: ``present`` names the leading blocks of a hash chain the store has; ``load`` reads them in order, stops
+at the first one it cannot read or verify (``DiskKVStore.get`` returns None for a corrupt file, never wrong
+data), checks each payload's shape and dtype, and hands each block to the caller to copy into the device
+pool before reading the next into the same staging buffer: a load moves each byte twice (page cache to the
+buffer, buffer to the pool) through memory that stays mapped and cache-warm, instead of faulting in fresh
+pages for every file and again for one tensor joining them.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from radix.disk_format import dtype_name
+from radix.disk_format import dtype_name, header_length
 from radix.disk_store import DiskKVStore
 from radix.events import chain_hashes, root_hash
 from radix.kv_storage import KVPages, KVShape
@@ -133,6 +136,7 @@ class DiskTier:
         self.block_bytes = shape.bytes_per_token * self.block_tokens
         self.queue_bytes = queue_bytes
         self.counters = DiskTierCounters()
+        self._staging: bytearray | None = None  # where ``load`` reads block files (made at its first call)
         self._q = _Queue()
         self._writer = threading.Thread(target=_writer_loop, args=(self._q, store, self.block_tokens),
                                         name="radixserve-disk-writer", daemon=True)
@@ -204,24 +208,31 @@ class DiskTier:
             return len(self._q.queued)
 
     # ------------------------------------------------------------------ read
-    def read(self, key: bytes, namespace: Hashable | None, first_block: int, n_blocks: int) -> list[torch.Tensor]:
-        """Blocks ``first_block .. first_block + n_blocks - 1`` of ``key`` as stored, in order, up to the first
-        one missing, unreadable, corrupt or of another layout."""
+    def present(self, key: bytes, namespace: Hashable | None, first_block: int, n_blocks: int) -> list[int]:
+        """Hashes of the leading run of blocks ``first_block .. first_block + n_blocks - 1`` of ``key`` that the
+        store has (by its index: whether they verify is only known when ``load`` reads them)."""
         if n_blocks <= 0:
             return []
         hashes = self.hashes(key, namespace, first_block + n_blocks)[first_block:]
-        present = self.store.longest_prefix(hashes)
+        return hashes[: self.store.longest_prefix(hashes)]
+
+    def load(self, hashes: list[int], place: Callable[[int, torch.Tensor], None]) -> int:
+        """Read the blocks ``hashes`` in order, handing each (its index in ``hashes``, its KV shaped
+        ``block_shape``) to ``place``, up to the first one missing, unreadable, corrupt or of another layout.
+        Returns how many were placed. Every block is read into one staging buffer that this tier keeps, so
+        ``place`` must copy what it needs before it returns."""
+        if self._staging is None:  # the largest block file of this layout: its header, then its payload
+            self._staging = bytearray(header_length(len(self.block_shape)) + self.block_bytes)
         want = dtype_name(self.shape.dtype)
-        out: list[torch.Tensor] = []
-        for h in hashes[:present]:
-            block = self.store.get(h)
+        for i, h in enumerate(hashes):
+            block = self.store.get(h, self._staging)
             if block is None:
-                break
+                return i
             if tuple(block.shape) != self.block_shape or dtype_name(block.dtype) != want:
                 self.counters.bad_shape += 1
-                break
-            out.append(block)
-        return out
+                return i
+            place(i, block)
+        return len(hashes)
 
     def record_load(self, tokens: int, seconds: float) -> None:
         c = self.counters

@@ -193,9 +193,14 @@ class HierarchicalRadixCache(RadixCache):
         return alloc.alloc(n_tokens)
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens: TokenSeq, slots: torch.Tensor, namespace: Hashable | None = None) -> int:
+    def insert(self, tokens: TokenSeq, slots: torch.Tensor, namespace: Hashable | None = None, *,
+               host_copy: bool = True) -> int:
         """As ``RadixCache.insert``; host-only nodes on the path adopt the caller's slots (the caller
-        computed that KV itself) and are on both tiers again. Returns the device-cached length."""
+        computed that KV itself) and are on both tiers again. Returns the device-cached length.
+
+        ``host_copy=False``: the KV has a copy in a tier below the host already (it was just loaded from
+        disk), so write_through makes no host copy of the new leaf now, on the request's time to first
+        token; like every node without one, it gets its host copy if it is evicted from the device."""
         key = key_bytes(tokens)
         end = len(key) // self._unit * self._unit
         node, pos, _ = self._walk(key[:end], self._root(namespace), split=True, hit=False)
@@ -210,7 +215,10 @@ class HierarchicalRadixCache(RadixCache):
             self._promote(n, slots[off : off + n.num_tokens])
             off += n.num_tokens
         if pos < end:
-            self._add_leaf(node, key, pos, end, slots, namespace)
+            leaf = self._add_leaf(node, key, pos, end, slots, namespace)
+            if host_copy and self.write_policy == "write_through":
+                assert isinstance(leaf, TieredNode)
+                self._backup(leaf)  # no room even after dropping host-only leaves: backed up on eviction
         return cached
 
     def _add_leaf(
@@ -219,8 +227,6 @@ class HierarchicalRadixCache(RadixCache):
         leaf = super()._add_leaf(node, key, pos, end, slots, namespace)
         assert isinstance(node, TieredNode) and isinstance(leaf, TieredNode)
         node.device_children += 1
-        if self.write_policy == "write_through":
-            self._backup(leaf)  # no room even after dropping host-only leaves: backed up on eviction
         return leaf
 
     def _split(self, child: TreeNode, at: int) -> TreeNode:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from radix.allocator import PagedAllocator
-from radix.kv_storage import KVPages, KVShape, KVStorage
+from radix.kv_storage import KVPages, KVShape, KVStorage, gather_slots
 
 
 class TransferHandle:
@@ -163,7 +163,7 @@ class HostKVPool:
         self.complete_backups()  # host rows must hold what was backed up before anyone reads them
         if isinstance(storage, KVStorage) and storage.k_buffer.is_cuda:
             return self._cuda_restore(host_slots, storage, device_slots)
-        k, v = self.k_buffer.index_select(1, host_slots), self.v_buffer.index_select(1, host_slots)
+        k, v = gather_slots(self.k_buffer, host_slots), gather_slots(self.v_buffer, host_slots)
         storage.write(device_slots, k, v)
         return DONE
 
@@ -200,8 +200,8 @@ class HostKVPool:
         stream.wait_stream(caller)  # the rows were written by work queued on the caller's stream
         with torch.cuda.stream(stream):
             idx = device_slots.to(device, non_blocking=True)
-            k = storage.k_buffer.index_select(1, idx)
-            v = storage.v_buffer.index_select(1, idx)
+            k = gather_slots(storage.k_buffer, idx)
+            v = gather_slots(storage.v_buffer, idx)
             gathered = torch.cuda.Event()
             gathered.record(stream)
             k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
@@ -226,8 +226,8 @@ class HostKVPool:
         s = self.shape
         k_host = torch.empty((s.num_layers, n, s.num_kv_heads, s.head_dim), dtype=s.dtype, pin_memory=True)
         v_host = torch.empty(k_host.shape, dtype=s.dtype, pin_memory=True)
-        torch.index_select(self.k_buffer, 1, host_slots, out=k_host)
-        torch.index_select(self.v_buffer, 1, host_slots, out=v_host)
+        gather_slots(self.k_buffer, host_slots, out=k_host)
+        gather_slots(self.v_buffer, host_slots, out=v_host)
         stream = self._side_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # earlier users of these device slots first
         with torch.cuda.stream(stream):

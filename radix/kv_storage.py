@@ -48,6 +48,18 @@ class KVShape:
         return pages * page_size
 
 
+def gather_slots(buffer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``buffer.index_select(1, slots)`` for a contiguous ``[layers, slots, kv_heads, head_dim]`` buffer (into
+    ``out`` when given), taken through a view whose rows are whole slots: torch's CPU ``index_select`` over
+    an inner dimension of a 4-D tensor moves one element at a time, ~10x slower than whole rows."""
+    layers, total, heads, dim = buffer.shape
+    rows = buffer.view(layers, total, heads * dim)
+    if out is None:
+        return rows.index_select(1, slots).view(layers, -1, heads, dim)
+    torch.index_select(rows, 1, slots, out=out.view(layers, -1, heads * dim))
+    return out
+
+
 class KVPages(Protocol):
     """Every KV head of the device pool's slots, as the host and disk tiers copy them (module docstring)."""
 
@@ -98,7 +110,7 @@ class KVStorage:
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's K and V of ``slots`` (``KVPages``)."""
         idx = slots.to(self.k_buffer.device)
-        return self.k_buffer.index_select(1, idx), self.v_buffer.index_select(1, idx)
+        return gather_slots(self.k_buffer, idx), gather_slots(self.v_buffer, idx)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Every layer's K and V into ``slots`` (``KVPages``)."""

@@ -97,17 +97,20 @@ def test_the_disk_continues_a_device_match_that_ends_inside_a_block(tmp_path: Pa
     assert b.stats().disk_hit_tokens == 156  # positions 100..255; the first 100 were on the device
 
 
-def test_a_corrupt_block_stops_the_load_and_is_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_corrupt_block_stops_the_load_and_is_counted(tmp_path: Path, bad: int) -> None:
     a = make(tmp_path)
     t = seq(300, 3)
     run(a, t)
     a.disk.flush()
-    path = block_file(tmp_path, t, 2)
+    path = block_file(tmp_path, t, bad)
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x40  # one bit of the last payload byte
     path.write_bytes(bytes(data))
     b = make(tmp_path)
-    assert run(b, t) == 128  # blocks 0 and 1; block 2 is recomputed (run checks every loaded bit)
+    # the blocks before the bad one; it and those after it are recomputed (run checks every loaded bit, and
+    # the cache's integrity: the slots made ready for the unread blocks are free again)
+    assert run(b, t) == 64 * bad
     assert b.stats().disk["corrupted"] == 1
     b.disk.flush()  # the corrupt file was removed; the recomputed block is written again
     assert run(make(tmp_path), t) == 256
@@ -179,3 +182,25 @@ def test_a_prefill_chunk_is_written_before_the_request_ends(tmp_path: Path) -> N
     assert run(make(tmp_path), t) == 128  # a fresh tree: both blocks of the chunk, from disk
     a.release_req(st)
     a.check_integrity()
+
+
+def test_loaded_blocks_get_their_host_copy_when_evicted_not_when_loaded(tmp_path: Path) -> None:
+    a = make(tmp_path)
+    t = seq(300, 9)
+    run(a, t)
+    a.disk.flush()
+    b = make(tmp_path)  # write_through
+    key = t[:-1]
+    m = b.load_to_device(b.match_prefix(key, record=False), key)
+    assert m.length == 256 and b.stats().bytes_to_host == 0  # the disk has these: no copy on the way in
+    b.evict(256)
+    s = b.stats()
+    assert s.bytes_to_host == 256 * SHAPE.bytes_per_token and s.host_only_tokens == 256  # copied on the way out
+    again = b.match_prefix(key, record=False)
+    assert again.length == 0 and again.host_len == 256
+    back = b.load_back(again)  # and the host copy holds the KV that was loaded from disk
+    back.handle.wait()
+    want_k, want_v = kv_for(t, 0, 256)
+    idx = back.match.kv_indices
+    assert torch.equal(b.device_kv.k_buffer[:, idx], want_k) and torch.equal(b.device_kv.v_buffer[:, idx], want_v)
+    b.check_integrity()
