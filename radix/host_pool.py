@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from radix.allocator import PagedAllocator
-from radix.kv_storage import KVPages, KVShape, KVStorage, gather_slots
+from radix.kv_storage import KVPages, KVShape, KVStorage, gather_slots, zeroed
 
 
 class TransferHandle:
@@ -109,8 +109,11 @@ class HostKVPool:
         self.allocator = PagedAllocator(capacity_tokens, page_size)
         dims = (shape.num_layers, self.allocator.total_slots, shape.num_kv_heads, shape.head_dim)
         self.pinned = pin_memory
-        self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin_memory)
-        self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=pin_memory)
+        if pin_memory:  # page-locked for CUDA copies: allocated (and touched) up front
+            self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=True)
+            self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=True)
+        else:
+            self.k_buffer, self.v_buffer = zeroed(dims, shape.dtype), zeroed(dims, shape.dtype)
         self._stream: torch.cuda.Stream | None = None
         self._pending: deque[_CudaBackup] = deque()  # CUDA backups whose rows are not in the buffers yet
 

@@ -18,6 +18,8 @@ scatters them, so the tiers hold the layout of an unsplit pool and never learn t
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +48,18 @@ class KVShape:
                 f"({self.bytes_per_token} bytes per token)"
             )
         return pages * page_size
+
+
+def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``torch.zeros(dims)``; on the CPU taken from anonymous memory (``mmap``), which the OS hands out
+    zero-filled a page at a time when first touched. A KV pool is sized to a share of RAM (GBs) and mostly
+    unused at first: writing zeros over all of it up front made every start-up seconds slower and the idle
+    server's memory as large as its pool."""
+    device = torch.device(device)
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(dims, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(dims)  # the tensor keeps the mapping alive
 
 
 def gather_slots(buffer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,8 +110,8 @@ class KVStorage:
         self.page_size = page_size
         self.total_slots = total_slots
         dims = (shape.num_layers, total_slots, shape.num_kv_heads, shape.head_dim)
-        self.k_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
-        self.v_buffer = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.k_buffer = zeroed(dims, shape.dtype, device)
+        self.v_buffer = zeroed(dims, shape.dtype, device)
 
     @property
     def nbytes(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,9 @@ def add_bench_parser(sub: Any) -> None:
     cmp.add_argument("--threads", type=int, default=0,
                      help="CPU threads for every system (0: all cores, radixserve's default).")
     cmp.add_argument("--timeout", type=float, default=3600.0, help="Per-request timeout in seconds.")
+    cmp.add_argument("--server-args", default="", metavar="FLAGS",
+                     help="Extra flags for the radixserve servers, one quoted string (e.g. '--quantization int8' "
+                     "to compare the fastest opt-in weight format); the report's command lines show them.")
     cmp.add_argument("--no-profile", action="store_true", help="Skip the in-process step profile at the end.")
     cmp.add_argument("--update-docs", action="store_true",
                      help="Also rewrite the Peer comparison section of docs/benchmarks.md and docs/img/bench_*.png.")
@@ -160,6 +164,7 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     opts = CompareOptions(systems=args.systems, workloads=args.workloads, quick=args.quick,
                           out=Path(args.out) if args.out else None, concurrency=args.concurrency, model=args.model,
                           threads=args.threads, timeout=args.timeout, params=parse_params(args.param),
+                          server_args=shlex.split(args.server_args),
                           profile=not args.no_profile, update_docs=args.update_docs, progress=not args.no_progress,
                           command=default_command(argv), workload_files=[Path(p) for p in args.workload_file])
     run_compare(opts)

@@ -50,6 +50,7 @@ class CompareOptions:
     concurrency: int = 8
     model: str = "default"
     threads: int = 0  # 0: all cores (radixserve's default), also used for transformers and llama.cpp
+    server_args: list[str] = field(default_factory=list)  # extra flags for both radixserve servers
     timeout: float = 3600.0
     params: dict[str, Any] = field(default_factory=dict)  # workload overrides (applied to every workload)
     workload_files: list[Path] = field(default_factory=list)  # measured instead of the generated workloads
@@ -165,6 +166,7 @@ class Comparison:
         from runtime.bench import servers
 
         extra = ["--num-threads", str(self.opts.threads)] if self.opts.threads else []
+        extra += self.opts.server_args
         print(f"\n##### {name}", flush=True)
         if name in ("radixserve", "radixserve-nocache"):
             self._run_server(name, lambda: servers.radixserve_server(

@@ -85,3 +85,30 @@ def test_docs_hold_no_machine_paths(page: str) -> None:
     text = (REPO / page).read_text()
     hits = [line for line in text.splitlines() if MACHINE_PATH.search(line)]
     assert not hits, f"{page}: absolute paths of a machine: {hits[:3]}"
+
+
+def test_compare_passes_server_args_to_both_radixserve_servers(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """``--server-args`` reaches the command line of each radixserve server the comparison starts (and so
+    the report's "how it ran" table), split as a shell would."""
+    from runtime.bench import cli, compare
+    from runtime.cli import build_parser
+
+    argv = ["bench", "compare", "--systems", "radixserve", "radixserve-nocache", "--out", str(tmp_path),
+            "--server-args", "--quantization int8 --chunked-prefill-size '512'"]
+    options: list[compare.CompareOptions] = []
+    monkeypatch.setattr(compare, "run_compare", options.append)  # the options the command line made
+    assert cli.run_bench(build_parser().parse_args(argv), argv) == 0
+    (opts,) = options
+    assert opts.server_args == ["--quantization", "int8", "--chunked-prefill-size", "512"]
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(compare.Comparison, "_run_server",
+                        lambda self, name, make, n_mode, flush: commands.append(make().cmd))
+    comparison = compare.Comparison(opts)
+    for system in opts.systems:
+        comparison.run_system(system)
+    assert len(commands) == 2
+    for cmd in commands:
+        at = cmd.index("--quantization")
+        assert cmd[at : at + 4] == opts.server_args

@@ -114,3 +114,25 @@ def test_kv_storage_layout_and_budget():
         shape.tokens_for_bytes(10)
     bf = KVShape(1, 1, 2, torch.bfloat16)
     assert bf.bytes_per_token == 2 * 1 * 1 * 2 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_pool_reads_zero_and_the_gathers_match_index_select(dtype):
+    """The pool's buffers come from lazily mapped memory: they must still read as zeros everywhere (the
+    padding page and every never-written slot) and take writes like any tensor; and ``gather_slots`` (the
+    tiers' gather) is exactly ``index_select`` over the slot dimension."""
+    from radix.kv_storage import gather_slots
+
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=8, dtype=dtype)
+    kv = KVStorage(shape, 4096, page_size=16)
+    assert kv.k_buffer.dtype == dtype and kv.k_buffer.is_contiguous() and kv.k_buffer.shape == (3, 4096, 2, 8)
+    assert not kv.k_buffer.any() and not kv.v_buffer.any()
+    slots = torch.tensor([17, 3000, 4095, 18])
+    k = torch.randn(3, 4, 2, 8).to(dtype)
+    kv.write(slots, k, -k)
+    got_k, got_v = kv.read(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    assert torch.equal(gather_slots(kv.k_buffer, slots), kv.k_buffer.index_select(1, slots))
+    out = torch.empty(3, 4, 2, 8, dtype=dtype)
+    assert gather_slots(kv.v_buffer, slots, out=out) is out and torch.equal(out, -k)
+    assert int(kv.k_buffer.count_nonzero()) == int(k.count_nonzero())  # nothing else was written
