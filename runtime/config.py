@@ -64,7 +64,8 @@ class ServerArgs:
     max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (overrides the memory fraction).")
     mem_fraction_static: float | None = _opt(
         None, "Fraction of memory for the KV pool: of free GPU memory after weights on CUDA (default 0.85), "
-        "of available RAM on CPU (default 0.2).")
+        "of available RAM on CPU (default 0.2; there the pool's pages are mapped as they are first written, "
+        "so servers started side by side each count the same free RAM: size them so that their sum fits).")
     max_running_requests: int = _opt(256, "Most requests decoding at once.")
     max_prefill_tokens: int = _opt(16384, "Most new prompt tokens admitted into one prefill step.")
     chunked_prefill_size: int | None = _opt(
