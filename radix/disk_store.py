@@ -268,13 +268,13 @@ class DiskKVStore:
             self._miss(block_hash)
             return None
         self._touch(path)
-        self._index.note(block_hash, len(buf))
+        self._index.note(block_hash, size)
         dt = time.perf_counter() - t0
         with self._lock:
             s = self._stats
             s.hits += 1
             s.blocks_read += 1
-            s.bytes_read += len(buf)
+            s.bytes_read += size
             s.load_seconds += dt
             s.max_load_seconds = max(s.max_load_seconds, dt)
         return kv

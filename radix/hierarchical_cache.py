@@ -217,13 +217,12 @@ class HierarchicalRadixCache(RadixCache):
         if pos < end:
             leaf = self._add_leaf(node, key, pos, end, slots, namespace)
             if host_copy and self.write_policy == "write_through":
-                assert isinstance(leaf, TieredNode)
                 self._backup(leaf)  # no room even after dropping host-only leaves: backed up on eviction
         return cached
 
     def _add_leaf(
         self, node: TreeNode, key: bytes, pos: int, end: int, slots: torch.Tensor, namespace: Hashable | None
-    ) -> TreeNode:
+    ) -> TieredNode:
         leaf = super()._add_leaf(node, key, pos, end, slots, namespace)
         assert isinstance(node, TieredNode) and isinstance(leaf, TieredNode)
         node.device_children += 1

@@ -56,7 +56,7 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     unused at first: writing zeros over all of it up front made every start-up seconds slower and the idle
     server's memory as large as its pool."""
     device = torch.device(device)
-    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(dims) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(dims, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(dims)  # the tensor keeps the mapping alive
