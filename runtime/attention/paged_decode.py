@@ -6,6 +6,15 @@ slot indices instead, so the KV is read once, where it lives. Used by ``torch_na
 rows and for short prefill chunks over a long cached prefix (a few-shot question after its shared block:
 gathering the whole prefix for a handful of new tokens cost more than attending it), whenever the kernels
 build (a C++ compiler is present); otherwise the gather path runs and the reason is logged once.
+
+Chunks of many new tokens over a bf16 pool (a prefill, over a cached prefix or not) go to
+``extend_attention`` instead where the CPU has AVX512_BF16 (``fastcpu_extend.cpp``): it packs the prefix once
+per KV head and runs the scores and the value sum as bf16 GEMMs, where the decode kernel passes over the prefix
+once per few query heads and SDPA needs a gathered copy. A 100-token chunk over a 1k-token prefix measured
+1.6 ms per layer against 2.9 (SDPA) and 3.4 (the decode kernel); its error against float64 on the default
+model's own activations equals SDPA's once both are rounded to bf16. Below ``GEMM_EXTEND_MIN`` tokens
+(verified drafts among them) the decode kernel runs, whose result per token does not depend on the tokens
+beside it.
 """
 
 from __future__ import annotations
@@ -20,11 +29,20 @@ from runtime.attention.base import AttentionShape
 
 logger = logging.getLogger(__name__)
 
+# Chunks of at least this many new tokens over a bf16 pool take the GEMM kernel where it is built: at 8 tokens
+# the two were even, at 16 it was 1.8x faster (one layer, SmolLM2's 3 x 3 heads, 1k-token prefix).
+GEMM_EXTEND_MIN = 16
+
 
 class PagedDecodeKernel:
     def __init__(self, shape: AttentionShape, kernels: Any):
         self.shape = shape
         self.kernels = kernels
+        self.bf16_gemm = bool(kernels.bf16_dot()) and shape.head_dim in (64, 128)
+
+    def gemm(self, tokens: int, dtype: torch.dtype) -> bool:
+        """Whether ``tokens`` query tokens over one KV row of a ``dtype`` pool take the GEMM kernel."""
+        return self.bf16_gemm and dtype == torch.bfloat16 and tokens >= GEMM_EXTEND_MIN
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
             lengths: torch.Tensor, row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +59,15 @@ class PagedDecodeKernel:
         new token i attends positions ``0 .. prefix + i``, read in place."""
         e = q.shape[0]
         lengths = torch.arange(prefix + 1, prefix + e + 1, dtype=torch.int64)
+        if self.gemm(e, k_pool.dtype):
+            return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
+
+    def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+              lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = self.kernels.extend_attention(q.float(), k_pool, v_pool, kv_index.reshape(-1), lengths,
+                                                 self.shape.scale, self.shape.num_kv_heads)
+        return out, lse
 
 
 def supported(shape: AttentionShape, dtype: torch.dtype | None = None) -> bool:

@@ -46,7 +46,8 @@ from runtime.attention.torch_native_plan import (
 from runtime.core.forward_batch import ForwardBatch
 
 # Prefill chunks of up to this many tokens read the pool in place (paged_decode.py) instead of gathering it:
-# the gather costs the whole prefix once per layer, which a short chunk cannot amortise.
+# the gather costs the whole prefix once per layer, which a short chunk cannot amortise. Chunks of any length
+# do where the pool is bf16 and the GEMM kernel is built (``PagedDecodeKernel.gemm``).
 IN_PLACE_EXTEND_MAX = 64
 
 
@@ -153,7 +154,7 @@ class TorchNativeBackend(AttentionBackend):
                  out: torch.Tensor) -> None:
         """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
         e, hkv, g, d = q.shape[0], self.shape.num_kv_heads, self.group, self.shape.head_dim
-        if self.paged is not None and e <= IN_PLACE_EXTEND_MAX:
+        if self.paged is not None and (e <= IN_PLACE_EXTEND_MAX or self.paged.gemm(e, k_pool.dtype)):
             o_rows, _lse = self.paged.extend(q, k_pool, v_pool, chunk.kv_index, chunk.kv_index.numel() - e)
             out.copy_(o_rows)
             return

@@ -35,7 +35,8 @@ LDFLAGS = ["-fopenmp"]
 CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CFLAGS, "-ffp-contract=fast"]}
 # The translation units of each kernel set (headers beside them are part of every set's build key).
 SOURCES = {"invariant": ["invariant.cpp"],
-           "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp", "fastcpu_bf16.cpp"]}
+           "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp", "fastcpu_bf16.cpp",
+                       "fastcpu_extend.cpp"]}
 
 
 class KernelBuildError(RuntimeError):

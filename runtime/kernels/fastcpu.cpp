@@ -19,6 +19,9 @@
 // linear_bf16 (fastcpu_bf16.cpp): bf16 weights times bf16 activations with AVX512_BF16 dot products (two k
 //   values per instruction and lane, no widening of the weights); built only for CPUs that have them.
 //
+// extend_attention (fastcpu_extend.cpp): a prefill chunk over a cached prefix, or a cascade group's rows
+//   against its shared prefix, as two small bf16 GEMMs per block of query rows; built with linear_bf16.
+//
 // Built with -O3 -march=native; 16-float GCC vector extensions compile to AVX-512 where the host has it and
 // to pairs of AVX2 instructions elsewhere. Unlike invariant.cpp, nothing here promises batch invariance.
 
@@ -263,6 +266,11 @@ bool bf16_dot();
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> out);
 
+// In fastcpu_extend.cpp.
+std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
+                                            int64_t num_kv_heads);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over paged KV read in place; (out, lse)");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
@@ -272,5 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "x @ W.T over VNNI-packed int8 weights, x quantised per row block");
   m.def("int8_vnni", &int8_vnni, "whether linear_int8 was built (the CPU has AVX512-VNNI)");
   m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
+  m.def("extend_attention", &extend_attention,
+        "many tokens of one request against one row of bf16 KV slots with bf16 dot products; (out, lse)");
   m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
 }

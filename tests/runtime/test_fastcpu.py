@@ -245,6 +245,72 @@ def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
         assert ((res.double() - expected).abs() <= 2e-6 * size + 1e-6).all(), m
 
 
+def extend_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, n: int, scale: float):
+    """One query head over its first ``n`` keys as extend_attention computes it: bf16 query, fp32 scores and
+    softmax, the probabilities rounded to bf16 for the value sum (float64 elsewhere). Returns (out, lse)."""
+    s = (keys[:n].double() @ q.bfloat16().double()) * scale
+    p = torch.exp(s - s.max())
+    out = (p.float().bfloat16().double() @ vals[:n].double()) / p.sum()
+    return out, s.max() + torch.log(p.sum())
+
+
+@requires_bf16_dot
+@pytest.mark.parametrize(("tokens", "kv_heads", "group", "dim", "prefix"),
+                         [(16, 3, 3, 64, 1000), (37, 3, 3, 64, 5), (20, 2, 4, 128, 300), (70, 1, 1, 64, 0)])
+def test_extend_attention_equals_the_softmax_of_its_bf16_operands(k, tokens, kv_heads, group, dim, prefix):
+    """A chunk of new tokens over a cached prefix (token i sees prefix + i + 1 slots, scattered in the pool):
+    every query head of every token equals the reference of what the kernel promises (bf16 operands, fp32
+    scores and sums, bf16 probabilities) up to fp32 rounding. Row counts not a multiple of the row block, key
+    counts not a multiple of the tile, both head dims."""
+    g = torch.Generator().manual_seed(tokens * dim + prefix)
+    pool = 4000
+    k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, torch.bfloat16)
+    index = torch.randperm(pool, generator=g)[: prefix + tokens]
+    lengths = torch.arange(prefix + 1, prefix + tokens + 1)
+    q = torch.randn(tokens, kv_heads * group, dim, generator=g)
+    out, lse = k.extend_attention(q, k_pool, v_pool, index, lengths, dim**-0.5, kv_heads)
+    keys = k_pool[index].float().view(-1, kv_heads, dim)
+    vals = v_pool[index].float().view(-1, kv_heads, dim)
+    for t in range(tokens):
+        for h in range(kv_heads * group):
+            ref, ref_lse = extend_reference(q[t, h], keys[:, h // group], vals[:, h // group], int(lengths[t]),
+                                            dim**-0.5)
+            assert (out[t, h].double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), (t, h)
+            assert abs(float(lse[t, h]) - float(ref_lse)) <= 1e-4, (t, h)
+
+
+def test_long_chunks_over_a_bf16_pool_take_the_gemm_kernel_where_it_was_built():
+    """The backend sends a chunk of GEMM_EXTEND_MIN or more tokens over a bf16 pool to extend_attention (where
+    built), shorter ones (verified drafts) and fp32 pools to the decode kernel; both agree with the gather path
+    within bf16's precision."""
+    from radix.kv_storage import KVShape, KVStorage
+    from runtime.attention.paged_decode import GEMM_EXTEND_MIN
+    from runtime.core.forward_batch import build_forward_batch
+
+    shape = AttentionShape(9, 3, 64)
+    fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
+    assert fast.paged is not None
+    dot = load_kernels("fastcpu").bf16_dot()
+    assert fast.paged.gemm(GEMM_EXTEND_MIN, torch.bfloat16) == dot
+    assert not fast.paged.gemm(GEMM_EXTEND_MIN - 1, torch.bfloat16)
+    assert not fast.paged.gemm(500, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    slots, prefix, extend = 4096, 700, 150
+    kv = KVStorage(KVShape(1, 3, 64, torch.bfloat16), slots)
+    kv.k_buffer.copy_(torch.randn(kv.k_buffer.shape, generator=g))
+    kv.v_buffer.copy_(torch.randn(kv.v_buffer.shape, generator=g))
+    table = (torch.randperm(slots - 1, generator=g)[: prefix + extend] + 1)[None]
+    q = torch.randn(extend, 9, 64, generator=g).bfloat16()
+    k_new = torch.randn(extend, 3, 64, generator=g).bfloat16()
+    v_new = torch.randn(extend, 3, 64, generator=g).bfloat16()
+    outs = []
+    for backend in (fast, gather):
+        batch = build_forward_batch([[1] * extend], [prefix], [0], table[0, prefix:], kv, table)
+        backend.plan(batch)
+        outs.append(backend.forward(q, k_new, v_new, 0, batch).float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
     """bf16 weights are packed for linear_bf16 where the kernels have it (and then serve decode batches up to
     BF16_DOT_SMALL_M rows without AMX), else k-major for the widening kernel; both give the bf16 product."""

@@ -1,0 +1,223 @@
+// extend_attention: many new tokens of one request (a prefill chunk over a cached prefix), or the query rows
+// of a cascade group against its shared prefix, attending one row of slots of a bf16 KV pool, with AVX512_BF16
+// dot products.
+//
+// Why: decode_attention (fastcpu_attention.cpp) scores a handful of query heads per pass over the KV with
+// fp32 FMAs, which is right for decode rows and drafts but makes a 100-token chunk over a 1k-token prefix pass
+// over the prefix ~34 times; torch's SDPA gathers and runs a general flash kernel. Here the prefix is packed
+// once per KV head into the layout vdpbf16ps takes, and the scores and the weighted sum of values are two small
+// GEMMs per block of query rows (all query heads of all tokens that share a KV head are rows).
+//
+// Numerics: queries are rounded to bf16 (they are bf16 tensors already when the pool is bf16, the only case
+// this kernel takes); scores are fp32 sums of bf16 products, times the scale, in fp32; the softmax is fp32 (its
+// sum too); the probabilities are rounded to bf16 for the weighted sum of values, which accumulates in fp32 —
+// as torch's CPU flash attention does for bf16 inputs. Token t sees slots kv_index[0 .. lengths[t] - 1].
+//
+// Built only where the compiler targets AVX512_BF16; bf16_dot() tells (the callers check it).
+
+#include "fastcpu_vec.h"
+
+#include <tuple>
+#include <utility>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define FASTCPU_BF16_DOT 1
+#endif
+
+namespace {
+
+#ifdef FASTCPU_BF16_DOT
+
+using namespace fastcpu;
+
+constexpr int64_t kKeys = 16;  // keys per score tile: one vector of fp32 scores
+constexpr int kRows = 8;  // query rows per block of the score pass (8 accumulators, one K vector)
+constexpr int kPvRows = 4;  // query rows per pass of the value sum (4 rows x D/16 accumulators)
+
+// K of one KV head as tiles of 16 keys: [tiles][D/2][16 keys][2] — for each pair of dims, the 16 keys' two
+// values side by side (vdpbf16ps's operand). V as pairs of keys: [S/2][D][2] — for each pair of keys, every
+// dim's two values side by side. Both take 16 * D values per tile. Keys past S are zero. Packs tile `tile`.
+void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride, int64_t head_off,
+               const int64_t* slots, int64_t s, int64_t d, int64_t tile, uint16_t* kp, uint16_t* vp) {
+  const int64_t pairs = d / 2;
+  uint16_t* kt = kp + tile * kKeys * d;
+  uint16_t* vt = vp + tile * kKeys * d;
+  for (int64_t key = 0; key < kKeys; ++key) {
+    const int64_t j = tile * kKeys + key;
+    const uint16_t* kr = j < s ? kpool + slots[j] * slot_stride + head_off : nullptr;
+    const uint16_t* vr = j < s ? vpool + slots[j] * slot_stride + head_off : nullptr;
+    for (int64_t i = 0; i < pairs; ++i) {
+      kt[(i * kKeys + key) * 2] = kr ? kr[2 * i] : 0;
+      kt[(i * kKeys + key) * 2 + 1] = kr ? kr[2 * i + 1] : 0;
+    }
+    uint16_t* vk = vt + (key / 2) * d * 2 + key % 2;  // key pair key / 2 of the tile, even or odd half
+    for (int64_t c = 0; c < d; ++c) vk[2 * c] = vr ? vr[c] : 0;
+  }
+}
+
+// Scores of kRows query rows (bf16 pairs, [kRows][D/2] words) against key tiles [0, tiles): sc[r][j], scaled.
+void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float scale, float* sc,
+                int64_t ldsc) {
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    __m512 acc[kRows];
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    const uint16_t* kt = kp + tile * pairs * kKeys * 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + i * kKeys * 2);
+      for (int r = 0; r < kRows; ++r)
+        acc[r] = _mm512_dpbf16_ps(acc[r], kv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i])));
+    }
+    for (int r = 0; r < kRows; ++r)
+      _mm512_storeu_ps(sc + r * ldsc + tile * kKeys, _mm512_mul_ps(acc[r], _mm512_set1_ps(scale)));
+  }
+}
+
+// Row r's softmax over its first len keys, in place; writes its probabilities as bf16 pairs (zero from len on,
+// up to `padded` keys) and returns (max, sum).
+std::pair<float, float> softmax_row(float* s, int64_t len, int64_t padded, uint32_t* pp) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) mx = std::max(mx, s[j]);
+  v16 sum = splat(0.f);
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) {
+    const v16 p = exp16(load(s + j) - splat(mx));
+    store(s + j, p);
+    sum += p;
+  }
+  float total = 0.f;
+  for (int64_t c = 0; c < 16; ++c) total += sum[c];
+  for (; j < len; ++j) {
+    s[j] = std::exp(s[j] - mx);
+    total += s[j];
+  }
+  std::fill(s + len, s + padded, 0.f);
+  for (int64_t k = 0; k < padded; k += 32) {  // 32 floats -> 16 pairs: cvtne2ps puts its second operand low
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k));
+    _mm512_storeu_si512(pp + k / 2, (__m512i)v);
+  }
+  return {mx, total};
+}
+
+// out[r][:] = sum over key pairs of probabilities x values, for RB rows (NV = D / 16 accumulators each).
+template <int RB, int NV>
+void value_rows(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, float* out, int64_t ldo) {
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < key_pairs; ++jp) {
+    __m512bh v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * NV * 32 + c * 32);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * ldp + jp]));
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], p);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + r * ldo + c * 16, acc[r][c]);
+}
+
+template <int NV>
+void value_block(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, float* out, int64_t ldo,
+                 int64_t rows) {
+  constexpr int RB = NV <= 4 ? kPvRows : 2;
+  int64_t r = 0;
+  for (; r + RB <= rows; r += RB) value_rows<RB, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo);
+  for (; r < rows; ++r) value_rows<1, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo);
+}
+
+#endif  // FASTCPU_BF16_DOT
+
+}  // namespace
+
+// q [T, H, D] (float32); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S).
+// Returns (out [T, H, D] float32, lse [T, H] float32).
+std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
+                                            int64_t num_kv_heads) {
+#ifdef FASTCPU_BF16_DOT
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [T, H, D]");
+  q = q.contiguous();
+  const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
+  TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
+  TORCH_CHECK(d == 64 || d == 128, "head dim must be 64 or 128");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kBFloat16 &&
+              v_pool.scalar_type() == torch::kBFloat16 && k_pool.numel() % (hkv * d) == 0,
+              "KV pools must be contiguous bfloat16 [slots, kv_heads * head_dim]");
+  TORCH_CHECK(kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64, "kv_index must be int64 [S]");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == t_count, "lengths must be int64 [T]");
+  kv_index = kv_index.contiguous();
+  lengths = lengths.contiguous();
+  const int64_t s = kv_index.size(0), group = h / hkv, pairs = d / 2;
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_count; ++t) TORCH_CHECK(lens[t] >= 1 && lens[t] <= s, "lengths must be in 1..S");
+  // keys padded to a multiple of 32: the probabilities become bf16 pairs 32 keys at a time
+  const int64_t padded = (s + 31) / 32 * 32, tiles = padded / kKeys;
+  const int64_t rows = t_count * group, blocks = (rows + kRows - 1) / kRows;
+  auto opts = q.options().dtype(torch::kFloat32);
+  torch::Tensor out = torch::empty({t_count, h, d}, opts);
+  torch::Tensor lse = torch::empty({t_count, h}, opts);
+  if (t_count == 0) return {out, lse};
+  std::vector<uint16_t> kpack(hkv * padded * d), vpack(hkv * padded * d);
+  const int64_t* slots = kv_index.data_ptr<int64_t>();
+  const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+  const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+  const int64_t slot_stride = hkv * d;
+  at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kvh = item / tiles;
+      pack_tile(kpool, vpool, slot_stride, kvh * d, slots, s, d, item % tiles, kpack.data() + kvh * padded * d,
+                vpack.data() + kvh * padded * d);
+    }
+  });
+  const float* qf = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> qp(kRows * pairs);
+    std::vector<float> sc(kRows * padded);
+    std::vector<uint32_t> pp(kRows * padded / 2);
+    std::vector<float> acc(kRows * d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kvh = item / blocks, r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
+      const uint16_t* kp = kpack.data() + kvh * padded * d;
+      const uint16_t* vp = vpack.data() + kvh * padded * d;
+      int64_t max_len = 0;
+      std::fill(qp.begin(), qp.end(), 0u);
+      for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g
+        const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
+        const float* qr = qf + (t * h + head) * d;
+        for (int64_t i = 0; i < d; i += 32) {
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + i + 16), _mm512_loadu_ps(qr + i));
+          _mm512_storeu_si512(qp.data() + r * pairs + i / 2, (__m512i)v);
+        }
+        max_len = std::max(max_len, lens[t]);
+      }
+      const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
+      const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
+      score_rows(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded);
+      float mx[kRows], total[kRows];
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t t = (r0 + r) / group;
+        std::tie(mx[r], total[r]) = softmax_row(sc.data() + r * padded, lens[t], used_even,
+                                                pp.data() + r * padded / 2);
+      }
+      const int64_t key_pairs = used / 2;
+      if (d == 64)
+        value_block<4>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows);
+      else
+        value_block<8>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows);
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
+        const float inv = 1.0f / total[r];
+        float* o = op + (t * h + head) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = acc[r * d + c] * inv;
+        lp[t * h + head] = mx[r] + std::log(total[r]);
+      }
+    }
+  });
+  return {out, lse};
+#else
+  TORCH_CHECK(false, "extend_attention needs AVX512_BF16 (this build targets a CPU without it)");
+  return {q};
+#endif
+}
