@@ -41,8 +41,14 @@ class PagedDecodeKernel:
         self.bf16_gemm = bool(kernels.bf16_dot()) and shape.head_dim in (64, 128)
 
     def gemm(self, tokens: int, dtype: torch.dtype) -> bool:
-        """Whether ``tokens`` query tokens over one KV row of a ``dtype`` pool take the GEMM kernel."""
-        return self.bf16_gemm and dtype == torch.bfloat16 and tokens >= GEMM_EXTEND_MIN
+        """Whether a prefill chunk of ``tokens`` tokens over a ``dtype`` pool takes the GEMM kernel."""
+        return self.gemm_shared(dtype) and tokens >= GEMM_EXTEND_MIN
+
+    def gemm_shared(self, dtype: torch.dtype) -> bool:
+        """Whether a cascade group's tokens attend their shared prefix in a ``dtype`` pool through the GEMM
+        kernel: at any group size (2 decode rows over a 1k prefix: 0.10 ms per layer against SDPA's 0.18, 8
+        rows 0.17 against 0.34), since a group's results depend on its members anyway."""
+        return self.bf16_gemm and dtype == torch.bfloat16
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
             lengths: torch.Tensor, row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +68,14 @@ class PagedDecodeKernel:
         if self.gemm(e, k_pool.dtype):
             return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
+
+    def shared(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of q ``[T, H, D]`` attends all the slots ``kv_index [P]`` (a cascade group's shared
+        prefix), through the GEMM kernel (only where :meth:`gemm_shared` holds). Returns ``(out [T, H, D] fp32,
+        lse [T, H] fp32)``."""
+        lengths = torch.full((q.shape[0],), kv_index.numel(), dtype=torch.int64)
+        return self._gemm(q, k_pool, v_pool, kv_index, lengths)
 
     def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,6 +172,15 @@ class TorchNativeBackend(AttentionBackend):
         hkv, g, d = self.shape.num_kv_heads, self.group, self.shape.head_dim
         for part in casc.shared:
             p, n = part.prefix_len, part.end - part.start
+            if self.paged is not None and self.paged.gemm_shared(k_pool.dtype):  # bf16 GEMMs, in place
+                index = part.kv_index
+                if index is None:
+                    index = torch.arange(part.kv_start, part.kv_start + p, dtype=torch.int64, device=q.device)
+                o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, index)
+                merge_attention_(out[part.start : part.end].view(n, hkv, g, d),
+                                 lse[part.start : part.end].view(n, hkv, g), o_sh.view(n, hkv, g, d),
+                                 lse_sh.view(n, hkv, g))
+                continue
             if part.kv_index is None:
                 k, v = k_pool.narrow(0, part.kv_start, p), v_pool.narrow(0, part.kv_start, p)
             else:

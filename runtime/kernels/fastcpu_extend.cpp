@@ -17,6 +17,7 @@
 
 #include "fastcpu_vec.h"
 
+#include <memory>
 #include <tuple>
 #include <utility>
 
@@ -33,25 +34,38 @@ using namespace fastcpu;
 constexpr int64_t kKeys = 16;  // keys per score tile: one vector of fp32 scores
 constexpr int kRows = 8;  // query rows per block of the score pass (8 accumulators, one K vector)
 constexpr int kPvRows = 4;  // query rows per pass of the value sum (4 rows x D/16 accumulators)
+constexpr int64_t kMaxDim = 128;
 
 // K of one KV head as tiles of 16 keys: [tiles][D/2][16 keys][2] — for each pair of dims, the 16 keys' two
 // values side by side (vdpbf16ps's operand). V as pairs of keys: [S/2][D][2] — for each pair of keys, every
 // dim's two values side by side. Both take 16 * D values per tile. Keys past S are zero. Packs tile `tile`.
 void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride, int64_t head_off,
                const int64_t* slots, int64_t s, int64_t d, int64_t tile, uint16_t* kp, uint16_t* vp) {
+  static const uint16_t zeros[kMaxDim] = {};
   const int64_t pairs = d / 2;
-  uint16_t* kt = kp + tile * kKeys * d;
-  uint16_t* vt = vp + tile * kKeys * d;
+  const uint16_t* krow[kKeys];
+  const uint16_t* vrow[kKeys];
   for (int64_t key = 0; key < kKeys; ++key) {
     const int64_t j = tile * kKeys + key;
-    const uint16_t* kr = j < s ? kpool + slots[j] * slot_stride + head_off : nullptr;
-    const uint16_t* vr = j < s ? vpool + slots[j] * slot_stride + head_off : nullptr;
-    for (int64_t i = 0; i < pairs; ++i) {
-      kt[(i * kKeys + key) * 2] = kr ? kr[2 * i] : 0;
-      kt[(i * kKeys + key) * 2 + 1] = kr ? kr[2 * i + 1] : 0;
+    krow[key] = j < s ? kpool + slots[j] * slot_stride + head_off : zeros;
+    vrow[key] = j < s ? vpool + slots[j] * slot_stride + head_off : zeros;
+  }
+  // K: a dim pair is one 32-bit word of a key's row, so the tile is a 16 x D/2 transpose of words.
+  uint32_t* kt = reinterpret_cast<uint32_t*>(kp + tile * kKeys * d);
+  for (int64_t key = 0; key < kKeys; ++key) {
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(krow[key]);
+    for (int64_t i = 0; i < pairs; ++i) kt[i * kKeys + key] = kr[i];
+  }
+  // V: word c of a key pair is (value c of the even key) | (value c of the odd key) << 16.
+  uint32_t* vt = reinterpret_cast<uint32_t*>(vp + tile * kKeys * d);
+  for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
+    const uint16_t* even = vrow[2 * jp];
+    const uint16_t* odd = vrow[2 * jp + 1];
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + c)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + c)));
+      _mm512_storeu_si512(vt + jp * d + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
-    uint16_t* vk = vt + (key / 2) * d * 2 + key % 2;  // key pair key / 2 of the tile, even or odd half
-    for (int64_t c = 0; c < d; ++c) vk[2 * c] = vr ? vr[c] : 0;
   }
 }
 
@@ -157,7 +171,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   torch::Tensor out = torch::empty({t_count, h, d}, opts);
   torch::Tensor lse = torch::empty({t_count, h}, opts);
   if (t_count == 0) return {out, lse};
-  std::vector<uint16_t> kpack(hkv * padded * d), vpack(hkv * padded * d);
+  // every element is written by pack_tile: no zero fill (new[] leaves them uninitialised)
+  std::unique_ptr<uint16_t[]> kpack(new uint16_t[hkv * padded * d]), vpack(new uint16_t[hkv * padded * d]);
   const int64_t* slots = kv_index.data_ptr<int64_t>();
   const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
   const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
@@ -165,8 +180,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / tiles;
-      pack_tile(kpool, vpool, slot_stride, kvh * d, slots, s, d, item % tiles, kpack.data() + kvh * padded * d,
-                vpack.data() + kvh * padded * d);
+      pack_tile(kpool, vpool, slot_stride, kvh * d, slots, s, d, item % tiles, kpack.get() + kvh * padded * d,
+                vpack.get() + kvh * padded * d);
     }
   });
   const float* qf = q.data_ptr<float>();
@@ -179,8 +194,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     std::vector<float> acc(kRows * d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / blocks, r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
-      const uint16_t* kp = kpack.data() + kvh * padded * d;
-      const uint16_t* vp = vpack.data() + kvh * padded * d;
+      const uint16_t* kp = kpack.get() + kvh * padded * d;
+      const uint16_t* vp = vpack.get() + kvh * padded * d;
       int64_t max_len = 0;
       std::fill(qp.begin(), qp.end(), 0u);
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g

@@ -279,34 +279,34 @@ def test_extend_attention_equals_the_softmax_of_its_bf16_operands(k, tokens, kv_
             assert abs(float(lse[t, h]) - float(ref_lse)) <= 1e-4, (t, h)
 
 
-def test_long_chunks_over_a_bf16_pool_take_the_gemm_kernel_where_it_was_built():
-    """The backend sends a chunk of GEMM_EXTEND_MIN or more tokens over a bf16 pool to extend_attention (where
-    built), shorter ones (verified drafts) and fp32 pools to the decode kernel; both agree with the gather path
-    within bf16's precision."""
-    from radix.kv_storage import KVShape, KVStorage
+def test_gemm_kernel_is_chosen_by_chunk_length_and_pool_dtype():
+    """Chunks of GEMM_EXTEND_MIN or more tokens over a bf16 pool take extend_attention where it is built;
+    shorter ones (verified drafts) and fp32 pools stay on the decode kernel."""
     from runtime.attention.paged_decode import GEMM_EXTEND_MIN
-    from runtime.core.forward_batch import build_forward_batch
 
+    paged = TorchNativeBackend(AttentionShape(9, 3, 64)).paged
+    assert paged is not None
+    assert paged.gemm(GEMM_EXTEND_MIN, torch.bfloat16) == load_kernels("fastcpu").bf16_dot()
+    assert not paged.gemm(GEMM_EXTEND_MIN - 1, torch.bfloat16)
+    assert not paged.gemm(500, torch.float32)
+    assert paged.gemm_shared(torch.bfloat16) == load_kernels("fastcpu").bf16_dot()
+    assert not paged.gemm_shared(torch.float32)
+
+
+@requires_bf16_dot
+@pytest.mark.parametrize(("lens", "shared", "extend"), [([850], 0, 150), ([520, 530, 540], 500, 20),
+                                                       ([1000, 1010, 1020, 1030], 990, 1)])
+def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(lens, shared, extend):
+    """A 150-token chunk over a cached prefix; three 20-token chunks, and four decode rows, under one shared
+    prefix (a cascade group whose shared part the GEMM kernel attends, merged by LSE): the backend's output
+    equals the gather path's (SDPA) within bf16's precision."""
     shape = AttentionShape(9, 3, 64)
     fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
-    assert fast.paged is not None
-    dot = load_kernels("fastcpu").bf16_dot()
-    assert fast.paged.gemm(GEMM_EXTEND_MIN, torch.bfloat16) == dot
-    assert not fast.paged.gemm(GEMM_EXTEND_MIN - 1, torch.bfloat16)
-    assert not fast.paged.gemm(500, torch.float32)
-    g = torch.Generator().manual_seed(5)
-    slots, prefix, extend = 4096, 700, 150
-    kv = KVStorage(KVShape(1, 3, 64, torch.bfloat16), slots)
-    kv.k_buffer.copy_(torch.randn(kv.k_buffer.shape, generator=g))
-    kv.v_buffer.copy_(torch.randn(kv.v_buffer.shape, generator=g))
-    table = (torch.randperm(slots - 1, generator=g)[: prefix + extend] + 1)[None]
-    q = torch.randn(extend, 9, 64, generator=g).bfloat16()
-    k_new = torch.randn(extend, 3, 64, generator=g).bfloat16()
-    v_new = torch.randn(extend, 3, 64, generator=g).bfloat16()
     outs = []
     for backend in (fast, gather):
-        batch = build_forward_batch([[1] * extend], [prefix], [0], table[0, prefix:], kv, table)
+        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=5, extend=extend, dtype=torch.bfloat16)
         backend.plan(batch)
+        assert (batch.attn_metadata.cascade is not None) == (shared > 0)
         outs.append(backend.forward(q, k_new, v_new, 0, batch).float())
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
 
@@ -350,15 +350,16 @@ def test_vnni_activation_error_stays_within_half_a_step_of_its_block(k):
     assert (row - exact).pow(2).mean() > 8 * (got - exact).pow(2).mean()
 
 
-def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1):
-    """A batch over a random pool: request i has ``lens[i]`` tokens, its last ``extend`` new, the first
+def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1,
+                 dtype: torch.dtype = torch.float32):
+    """A batch over a random ``dtype`` pool: request i has ``lens[i]`` tokens, its last ``extend`` new, the first
     ``shared`` slots the same for all (a cached prefix: cascade groups form when it is long enough)."""
     from radix.kv_storage import KVShape, KVStorage
     from runtime.core.forward_batch import build_forward_batch
 
     g = torch.Generator().manual_seed(seed)
     slots = 8192
-    kv = KVStorage(KVShape(1, shape.num_kv_heads, shape.head_dim, torch.float32), slots)
+    kv = KVStorage(KVShape(1, shape.num_kv_heads, shape.head_dim, dtype), slots)
     kv.k_buffer.normal_(generator=g)
     kv.v_buffer.normal_(generator=g)
     table = torch.zeros(len(lens), max(lens) + 8, dtype=torch.int64)
@@ -371,9 +372,9 @@ def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int,
     batch = build_forward_batch([[1] * extend] * len(lens), [n - extend for n in lens], list(range(len(lens))),
                                 out_loc, kv, table)
     rows = len(lens) * extend
-    q = torch.randn(rows, shape.num_heads, shape.head_dim, generator=g)
-    k_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g)
-    v_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g)
+    q = torch.randn(rows, shape.num_heads, shape.head_dim, generator=g).to(dtype)
+    k_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
+    v_new = torch.randn(rows, shape.num_kv_heads, shape.head_dim, generator=g).to(dtype)
     return batch, q, k_new, v_new
 
 

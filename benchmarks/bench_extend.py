@@ -1,0 +1,145 @@
+"""Prefill chunks over a cached prefix on a bf16 KV pool: the GEMM kernel (``extend_attention``) against the
+decode kernel and SDPA over a gathered copy, alone and in whole scheduler steps, in one run.
+
+1. Whole prefill steps of the default model in bf16 (an in-process Engine): a 1,000-token prompt is cached,
+   then prompts that extend it by E tokens run with the GEMM kernel on and off (alternating, so machine
+   noise hits both alike); the median step time of each.
+2. One layer's attention (SmolLM2's 9 query heads, 3 KV heads, head dim 64; random bf16 pool, scattered
+   slots) for chunks of E new tokens over a P-token prefix: SDPA over the gathered KV with the causal-with-
+   prefix mask, the decode kernel (``decode_attention``, tokens of one request attended together) and
+   ``extend_attention``; medians of ``--repeats`` calls.
+
+Needs a CPU with AVX512_BF16 (where the kernel is built).
+
+    python benchmarks/bench_extend.py [--tokens 16 32 64 130 300 1024] [--prefix 1000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from engine_steps import cpu_simd, emit
+
+from runtime.attention import paged_decode
+from runtime.engine import Engine
+from runtime.scheduler import scheduler as scheduler_module
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def layer_row(kernels: Any, k_pool: torch.Tensor, v_pool: torch.Tensor, e: int, prefix: int, repeats: int,
+              g: torch.Generator) -> dict[str, Any]:
+    """One layer's attention for ``e`` new tokens over ``prefix`` scattered slots, three ways."""
+    s, group, scale = prefix + e, HEADS // KV_HEADS, DIM**-0.5
+    index = torch.randperm(k_pool.shape[0], generator=g)[:s]
+    q = torch.randn(e, HEADS, DIM, generator=g).bfloat16()
+    lengths = torch.arange(prefix + 1, s + 1)
+    hidden = torch.arange(s)[None, :] > (prefix + torch.arange(e))[:, None]
+    mask = torch.zeros(e, s).masked_fill_(hidden, float("-inf")).bfloat16()
+
+    def sdpa() -> torch.Tensor:
+        k = k_pool.index_select(0, index).view(s, KV_HEADS, DIM).transpose(0, 1)
+        v = v_pool.index_select(0, index).view(s, KV_HEADS, DIM).transpose(0, 1)
+        q4 = q.reshape(e, KV_HEADS, group, DIM).permute(1, 2, 0, 3)
+        return F.scaled_dot_product_attention(q4, k.unsqueeze(1).expand(KV_HEADS, group, s, DIM),
+                                              v.unsqueeze(1).expand(KV_HEADS, group, s, DIM), attn_mask=mask,
+                                              scale=scale)
+
+    def decode() -> Any:
+        return kernels.decode_attention(q.float(), k_pool, v_pool, index.view(1, -1),
+                                        torch.zeros(e, dtype=torch.int64), lengths, scale, KV_HEADS)
+
+    def extend() -> Any:
+        return kernels.extend_attention(q.float(), k_pool, v_pool, index, lengths, scale, KV_HEADS)
+
+    row = {"tokens": e, "prefix": prefix, "sdpa_ms": median_ms(sdpa, repeats),
+           "decode_kernel_ms": median_ms(decode, repeats), "extend_ms": median_ms(extend, repeats)}
+    row["vs_sdpa"] = row["sdpa_ms"] / row["extend_ms"]
+    return row
+
+
+def one_layer(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, Any]]:
+    kernels = paged_decode._fastcpu()
+    g = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(40000, KV_HEADS * DIM, generator=g).bfloat16()
+    v_pool = torch.randn(40000, KV_HEADS * DIM, generator=g).bfloat16()
+    rows = []
+    for e in tokens:
+        rows.append(layer_row(kernels, k_pool, v_pool, e, prefix, repeats, g))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def whole_steps(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, Any]]:
+    steps: list[tuple[int, float]] = []
+    record = scheduler_module.Scheduler._record
+
+    def timed(self: Any, inp: Any) -> None:
+        steps.append((inp.prefill_tokens, time.perf_counter() - inp.started))
+        record(self, inp)
+
+    scheduler_module.Scheduler._record = timed  # type: ignore[method-assign]
+    rng = random.Random(0)
+    cached = [rng.randrange(100, 40000) for _ in range(prefix)]
+    gemm_min = paged_decode.GEMM_EXTEND_MIN
+    rows = []
+    try:
+        with Engine("default", dtype="bfloat16", log_level="warning") as engine:
+            engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
+            for e in tokens:
+                times: dict[str, list[float]] = {"gemm": [], "decode_kernel_or_sdpa": []}
+                for _ in range(repeats):
+                    for mode in times:
+                        paged_decode.GEMM_EXTEND_MIN = gemm_min if mode == "gemm" else 1 << 30
+                        steps.clear()
+                        suffix = [rng.randrange(100, 40000) for _ in range(e)]
+                        engine.generate(input_ids=cached + suffix, sampling_params={"max_new_tokens": 1})
+                        times[mode] += [t for n, t in steps if n]
+                medians = {f"{m}_ms": 1000 * statistics.median(t) for m, t in times.items()}
+                row = {"tokens": e, "prefix": prefix, **medians}
+                row["speedup"] = row["decode_kernel_or_sdpa_ms"] / row["gemm_ms"]
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        paged_decode.GEMM_EXTEND_MIN = gemm_min
+        scheduler_module.Scheduler._record = record  # type: ignore[method-assign]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[16, 32, 64, 130, 300, 1024])
+    ap.add_argument("--prefix", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="also save the result here")
+    a = ap.parse_args()
+    kernels = paged_decode._fastcpu()
+    if kernels is None or not kernels.bf16_dot():
+        raise SystemExit("extend_attention is built only for CPUs with AVX512_BF16; this one has: " + cpu_simd())
+    # The Engine first: torch work on this thread before it would leave a second OpenMP thread team beside the
+    # scheduler thread's (see bench_cpu_forward.py), which slows every step.
+    steps = whole_steps(a.tokens, a.prefix, a.repeats)
+    result = {"cpu": cpu_simd(), "threads": torch.get_num_threads(), "prefill_steps": steps,
+              "one_layer": one_layer(a.tokens, a.prefix, a.repeats)}
+    emit(result, a.json)
+
+
+if __name__ == "__main__":
+    main()
