@@ -1,5 +1,5 @@
-"""Prefill chunks over a cached prefix on a bf16 KV pool: the GEMM kernel (``extend_attention``) against the
-decode kernel and SDPA over a gathered copy, alone and in whole scheduler steps, in one run.
+"""Prefill chunks over a cached prefix, and cascade groups over their shared prefix, on a bf16 KV pool: the GEMM
+kernel (``extend_attention``) against the decode kernel and SDPA, alone and in whole scheduler steps, in one run.
 
 1. Whole prefill steps of the default model in bf16 (an in-process Engine): a 1,000-token prompt is cached,
    then prompts that extend it by E tokens run with the GEMM kernel on and off (alternating, so machine
@@ -8,6 +8,9 @@ decode kernel and SDPA over a gathered copy, alone and in whole scheduler steps,
    slots) for chunks of E new tokens over a P-token prefix: SDPA over the gathered KV with the causal-with-
    prefix mask, the decode kernel (``decode_attention``, tokens of one request attended together) and
    ``extend_attention``; medians of ``--repeats`` calls.
+3. A cascade group: 8 requests under the cached 1,000-token prompt, each adding 25 tokens and decoding 16; its
+   prefill step and its batch-8 decode steps with the shared part through the GEMM kernel and through SDPA
+   (alternating); then one layer's shared part alone for groups of 2, 8 and 32 decode rows.
 
 Needs a CPU with AVX512_BF16 (where the kernel is built).
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from engine_steps import cpu_simd, emit
 
 from runtime.attention import paged_decode
+from runtime.attention.cascade import attention_with_lse
 from runtime.engine import Engine
 from runtime.scheduler import scheduler as scheduler_module
 
@@ -123,6 +127,64 @@ def whole_steps(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, 
     return rows
 
 
+def group_steps(prefix: int, repeats: int) -> dict[str, Any]:
+    steps: list[tuple[int, int, float]] = []
+    record = scheduler_module.Scheduler._record
+    shared = paged_decode.PagedDecodeKernel.gemm_shared
+
+    def timed(self: Any, inp: Any) -> None:
+        steps.append((inp.num_decodes, inp.prefill_tokens, time.perf_counter() - inp.started))
+        record(self, inp)
+
+    scheduler_module.Scheduler._record = timed  # type: ignore[method-assign]
+    rng = random.Random(1)
+    cached = [rng.randrange(100, 40000) for _ in range(prefix)]
+    times: dict[str, list[float]] = {}
+    try:
+        with Engine("default", dtype="bfloat16", log_level="warning") as engine:
+            engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
+            for _ in range(repeats):
+                for mode in ("gemm", "sdpa"):
+                    paged_decode.PagedDecodeKernel.gemm_shared = (  # type: ignore[method-assign]
+                        shared if mode == "gemm" else lambda self, dtype: False)
+                    steps.clear()
+                    prompts = [cached + [rng.randrange(100, 40000) for _ in range(25)] for _ in range(8)]
+                    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
+                    times.setdefault(f"{mode}_decode_b8", []).extend(t for d, n, t in steps if d == 8 and not n)
+                    times.setdefault(f"{mode}_prefill", []).extend(t for d, n, t in steps if n)
+    finally:
+        paged_decode.PagedDecodeKernel.gemm_shared = shared  # type: ignore[method-assign]
+        scheduler_module.Scheduler._record = record  # type: ignore[method-assign]
+    out: dict[str, Any] = {f"{k}_ms": 1000 * statistics.median(v) for k, v in times.items()}
+    out["decode_speedup"] = out["sdpa_decode_b8_ms"] / out["gemm_decode_b8_ms"]
+    out["prefill_speedup"] = out["sdpa_prefill_ms"] / out["gemm_prefill_ms"]
+    print(out, flush=True)
+    return out
+
+
+def shared_row(kernels: Any, k_pool: torch.Tensor, v_pool: torch.Tensor, n: int, prefix: int,
+               repeats: int, g: torch.Generator) -> dict[str, Any]:
+    """One layer's shared part for ``n`` decode rows over ``prefix`` contiguous slots: SDPA and the kernel."""
+    group, scale = HEADS // KV_HEADS, DIM**-0.5
+    q = torch.randn(n, HEADS, DIM, generator=g).bfloat16()
+    index = torch.arange(64, 64 + prefix)
+    lengths = torch.full((n,), prefix)
+
+    def sdpa() -> Any:
+        k, v = k_pool.narrow(0, 64, prefix), v_pool.narrow(0, 64, prefix)
+        q4 = q.reshape(n, KV_HEADS, group, DIM).transpose(0, 1).reshape(1, KV_HEADS, n * group, DIM)
+        return attention_with_lse(q4, k.view(1, prefix, KV_HEADS, DIM).transpose(1, 2),
+                                  v.view(1, prefix, KV_HEADS, DIM).transpose(1, 2), None, False, scale)
+
+    def extend() -> Any:
+        return kernels.extend_attention(q.float(), k_pool, v_pool, index, lengths, scale, KV_HEADS)
+
+    row = {"rows": n, "prefix": prefix, "sdpa_ms": median_ms(sdpa, repeats), "extend_ms": median_ms(extend, repeats)}
+    row["vs_sdpa"] = row["sdpa_ms"] / row["extend_ms"]
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", nargs="+", type=int, default=[16, 32, 64, 130, 300, 1024])
@@ -136,8 +198,13 @@ def main() -> None:
     # The Engine first: torch work on this thread before it would leave a second OpenMP thread team beside the
     # scheduler thread's (see bench_cpu_forward.py), which slows every step.
     steps = whole_steps(a.tokens, a.prefix, a.repeats)
-    result = {"cpu": cpu_simd(), "threads": torch.get_num_threads(), "prefill_steps": steps,
+    group = group_steps(a.prefix, max(2, a.repeats // 2))
+    result = {"cpu": cpu_simd(), "threads": torch.get_num_threads(), "prefill_steps": steps, "group_steps": group,
               "one_layer": one_layer(a.tokens, a.prefix, a.repeats)}
+    g = torch.Generator().manual_seed(1)
+    k_pool = torch.randn(a.prefix + 64, KV_HEADS * DIM, generator=g).bfloat16()
+    v_pool = torch.randn(a.prefix + 64, KV_HEADS * DIM, generator=g).bfloat16()
+    result["shared_one_layer"] = [shared_row(kernels, k_pool, v_pool, n, a.prefix, a.repeats, g) for n in (2, 8, 32)]
     emit(result, a.json)
 
 
