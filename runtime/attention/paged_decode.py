@@ -10,11 +10,11 @@ build (a C++ compiler is present); otherwise the gather path runs and the reason
 Chunks of many new tokens over a bf16 pool (a prefill, over a cached prefix or not) go to
 ``extend_attention`` instead where the CPU has AVX512_BF16 (``fastcpu_extend.cpp``): it packs the prefix once
 per KV head and runs the scores and the value sum as bf16 GEMMs, where the decode kernel passes over the prefix
-once per few query heads and SDPA needs a gathered copy. A 100-token chunk over a 1k-token prefix measured
-1.6 ms per layer against 2.9 (SDPA) and 3.4 (the decode kernel); its error against float64 on the default
-model's own activations equals SDPA's once both are rounded to bf16. Below ``GEMM_EXTEND_MIN`` tokens
-(verified drafts among them) the decode kernel runs, whose result per token does not depend on the tokens
-beside it.
+once per few query heads and SDPA needs a gathered copy; and the tokens of a cascade group against their shared
+prefix (``gemm_shared``). A 130-token chunk over a 1k-token prefix measured 1.5 ms per layer against 3.3 (SDPA)
+and 3.8 (the decode kernel) (``benchmarks/bench_extend.py``); its error against float64 on the default model's
+own activations equals SDPA's once both are rounded to bf16. Below ``GEMM_EXTEND_MIN`` tokens (verified drafts
+among them) the decode kernel runs, whose result per token does not depend on the tokens beside it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from runtime.attention.base import AttentionShape
 logger = logging.getLogger(__name__)
 
 # Chunks of at least this many new tokens over a bf16 pool take the GEMM kernel where it is built: at 8 tokens
-# the two were even, at 16 it was 1.8x faster (one layer, SmolLM2's 3 x 3 heads, 1k-token prefix).
+# the two kernels were even, at 16 the GEMM one was ~2x faster alone and 0.98-1.14x in whole prefill steps
+# (SmolLM2's 3 x 3 heads, 1k-token prefix). Shorter chunks are verified drafts more often than prompts.
 GEMM_EXTEND_MIN = 16
 
 
@@ -46,8 +47,8 @@ class PagedDecodeKernel:
 
     def gemm_shared(self, dtype: torch.dtype) -> bool:
         """Whether a cascade group's tokens attend their shared prefix in a ``dtype`` pool through the GEMM
-        kernel: at any group size (2 decode rows over a 1k prefix: 0.10 ms per layer against SDPA's 0.18, 8
-        rows 0.17 against 0.34), since a group's results depend on its members anyway."""
+        kernel: at any group size (2 decode rows over a 1k prefix: 0.08 ms per layer against SDPA's 0.13, 8
+        rows 0.16 against 0.27), since a group's results depend on its members anyway."""
         return self.bf16_gemm and dtype == torch.bfloat16
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
