@@ -3,14 +3,14 @@ kernel (``extend_attention``) against the decode kernel and SDPA, alone and in w
 
 1. Whole prefill steps of the default model in bf16 (an in-process Engine): a 1,000-token prompt is cached,
    then prompts that extend it by E tokens run with the GEMM kernel on and off (alternating, so machine
-   noise hits both alike); the median step time of each.
+   noise hits both alike); the median forward time of each step.
 2. One layer's attention (SmolLM2's 9 query heads, 3 KV heads, head dim 64; random bf16 pool, scattered
    slots) for chunks of E new tokens over a P-token prefix: SDPA over the gathered KV with the causal-with-
    prefix mask, the decode kernel (``decode_attention``, tokens of one request attended together) and
    ``extend_attention``; medians of ``--repeats`` calls.
 3. A cascade group: 8 requests under the cached 1,000-token prompt, each adding 25 tokens and decoding 16; its
-   prefill step and its batch-8 decode steps with the shared part through the GEMM kernel and through SDPA
-   (alternating); then one layer's shared part alone for groups of 2, 8 and 32 decode rows.
+   batch-8 decode steps with the kernel on (the shared part through it) and off (through SDPA), alternating;
+   then one layer's shared part alone for groups of 2, 8 and 32 decode rows.
 
 Needs a CPU with AVX512_BF16 (where the kernel is built).
 
@@ -20,6 +20,7 @@ Needs a CPU with AVX512_BF16 (where the kernel is built).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import time
@@ -28,12 +29,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from engine_steps import cpu_simd, emit
+from engine_steps import cpu_simd, decode_step_ms, emit
 
-from runtime.attention import paged_decode
 from runtime.attention.cascade import attention_with_lse
+from runtime.attention.torch_native import TorchNativeBackend
 from runtime.engine import Engine
-from runtime.scheduler import scheduler as scheduler_module
+from runtime.kernels.build import load_kernels
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 
@@ -80,7 +81,7 @@ def layer_row(kernels: Any, k_pool: torch.Tensor, v_pool: torch.Tensor, e: int, 
 
 
 def one_layer(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, Any]]:
-    kernels = paged_decode._fastcpu()
+    kernels = load_kernels("fastcpu")
     g = torch.Generator().manual_seed(0)
     k_pool = torch.randn(40000, KV_HEADS * DIM, generator=g).bfloat16()
     v_pool = torch.randn(40000, KV_HEADS * DIM, generator=g).bfloat16()
@@ -91,73 +92,61 @@ def one_layer(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, An
     return rows
 
 
+def use_gemm(engine: Engine, on: bool) -> None:
+    """Switch the engine's GEMM attention kernel on or off (between steps, on the scheduler thread)."""
+    def switch(scheduler: Any) -> None:
+        backend = scheduler.runner.attn_backend
+        assert isinstance(backend, TorchNativeBackend) and backend.paged is not None
+        backend.paged.bf16_gemm = on
+
+    engine.inspect(switch)
+
+
+def prefill_ms(engine: Engine, prompt: list[int]) -> float:
+    """The forward time of ``prompt``'s one step (a single new token: the prefill is the request's only step)."""
+    before = engine.inspect(lambda s: (s.stats.steps, s.stats.forward_seconds))
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1})
+    steps, seconds = engine.inspect(lambda s: (s.stats.steps, s.stats.forward_seconds))
+    assert steps == before[0] + 1, "the prompt took more than one step"
+    return 1000 * (seconds - before[1])
+
+
 def whole_steps(tokens: list[int], prefix: int, repeats: int) -> list[dict[str, Any]]:
-    steps: list[tuple[int, float]] = []
-    record = scheduler_module.Scheduler._record
-
-    def timed(self: Any, inp: Any) -> None:
-        steps.append((inp.prefill_tokens, time.perf_counter() - inp.started))
-        record(self, inp)
-
-    scheduler_module.Scheduler._record = timed  # type: ignore[method-assign]
     rng = random.Random(0)
     cached = [rng.randrange(100, 40000) for _ in range(prefix)]
-    gemm_min = paged_decode.GEMM_EXTEND_MIN
     rows = []
-    try:
-        with Engine("default", dtype="bfloat16", log_level="warning") as engine:
-            engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
-            for e in tokens:
-                times: dict[str, list[float]] = {"gemm": [], "decode_kernel_or_sdpa": []}
-                for _ in range(repeats):
-                    for mode in times:
-                        paged_decode.GEMM_EXTEND_MIN = gemm_min if mode == "gemm" else 1 << 30
-                        steps.clear()
-                        suffix = [rng.randrange(100, 40000) for _ in range(e)]
-                        engine.generate(input_ids=cached + suffix, sampling_params={"max_new_tokens": 1})
-                        times[mode] += [t for n, t in steps if n]
-                medians = {f"{m}_ms": 1000 * statistics.median(t) for m, t in times.items()}
-                row = {"tokens": e, "prefix": prefix, **medians}
-                row["speedup"] = row["decode_kernel_or_sdpa_ms"] / row["gemm_ms"]
-                rows.append(row)
-                print(row, flush=True)
-    finally:
-        paged_decode.GEMM_EXTEND_MIN = gemm_min
-        scheduler_module.Scheduler._record = record  # type: ignore[method-assign]
+    with Engine("default", dtype="bfloat16", log_level="warning") as engine:
+        engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
+        for e in tokens:
+            times: dict[str, list[float]] = {"gemm": [], "decode_kernel_or_sdpa": []}
+            for _ in range(repeats):
+                for mode in times:
+                    use_gemm(engine, mode == "gemm")
+                    times[mode].append(prefill_ms(engine, cached + [rng.randrange(100, 40000) for _ in range(e)]))
+            row: dict[str, Any] = {"tokens": e, "prefix": prefix,
+                                   **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
+            row["speedup"] = row["decode_kernel_or_sdpa_ms"] / row["gemm_ms"]
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
 def group_steps(prefix: int, repeats: int) -> dict[str, Any]:
-    steps: list[tuple[int, int, float]] = []
-    record = scheduler_module.Scheduler._record
-    shared = paged_decode.PagedDecodeKernel.gemm_shared
-
-    def timed(self: Any, inp: Any) -> None:
-        steps.append((inp.num_decodes, inp.prefill_tokens, time.perf_counter() - inp.started))
-        record(self, inp)
-
-    scheduler_module.Scheduler._record = timed  # type: ignore[method-assign]
     rng = random.Random(1)
     cached = [rng.randrange(100, 40000) for _ in range(prefix)]
     times: dict[str, list[float]] = {}
-    try:
-        with Engine("default", dtype="bfloat16", log_level="warning") as engine:
-            engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
-            for _ in range(repeats):
-                for mode in ("gemm", "sdpa"):
-                    paged_decode.PagedDecodeKernel.gemm_shared = (  # type: ignore[method-assign]
-                        shared if mode == "gemm" else lambda self, dtype: False)
-                    steps.clear()
-                    prompts = [cached + [rng.randrange(100, 40000) for _ in range(25)] for _ in range(8)]
-                    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
-                    times.setdefault(f"{mode}_decode_b8", []).extend(t for d, n, t in steps if d == 8 and not n)
-                    times.setdefault(f"{mode}_prefill", []).extend(t for d, n, t in steps if n)
-    finally:
-        paged_decode.PagedDecodeKernel.gemm_shared = shared  # type: ignore[method-assign]
-        scheduler_module.Scheduler._record = record  # type: ignore[method-assign]
-    out: dict[str, Any] = {f"{k}_ms": 1000 * statistics.median(v) for k, v in times.items()}
+    with Engine("default", dtype="bfloat16", log_level="warning") as engine:
+        engine.generate(input_ids=cached, sampling_params={"max_new_tokens": 1})
+        for _ in range(repeats):
+            for mode in ("gemm", "sdpa"):
+                use_gemm(engine, mode == "gemm")
+                prompts = [cached + [rng.randrange(100, 40000) for _ in range(25)] for _ in range(8)]
+                run = functools.partial(engine.generate, input_ids=prompts,
+                                        sampling_params={"max_new_tokens": 16, "ignore_eos": True})
+                decode, _ = decode_step_ms(engine, 8, run)
+                times.setdefault(f"{mode}_decode_b8", []).append(decode)
+    out: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in times.items()}
     out["decode_speedup"] = out["sdpa_decode_b8_ms"] / out["gemm_decode_b8_ms"]
-    out["prefill_speedup"] = out["sdpa_prefill_ms"] / out["gemm_prefill_ms"]
     print(out, flush=True)
     return out
 
@@ -192,8 +181,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
-    kernels = paged_decode._fastcpu()
-    if kernels is None or not kernels.bf16_dot():
+    kernels = load_kernels("fastcpu")
+    if not kernels.bf16_dot():
         raise SystemExit("extend_attention is built only for CPUs with AVX512_BF16; this one has: " + cpu_simd())
     # The Engine first: torch work on this thread before it would leave a second OpenMP thread team beside the
     # scheduler thread's (see bench_cpu_forward.py), which slows every step.

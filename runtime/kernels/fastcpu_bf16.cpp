@@ -18,10 +18,6 @@
 
 #include "fastcpu_vec.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define FASTCPU_BF16_DOT 1
-#endif
-
 namespace {
 
 #ifdef FASTCPU_BF16_DOT
@@ -38,10 +34,7 @@ std::vector<uint32_t> pair_rows(const float* x, int64_t ldx, int64_t m, int64_t 
     const float* xr = x + r * ldx;
     uint32_t* o = out.data() + r * pairs;
     int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {  // 32 floats -> 16 pairs: cvtne2ps puts its second operand in the low half
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i));
-      _mm512_storeu_si512(o + i / 2, (__m512i)v);
-    }
+    for (; i + 32 <= k; i += 32) fastcpu::bf16_pairs32(xr + i, o + i / 2);
     for (; i < k; ++i) {
       const __m128bh one = _mm_cvtneps_pbh(_mm_set1_ps(xr[i]));
       uint16_t bits;

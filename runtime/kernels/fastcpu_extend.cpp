@@ -13,17 +13,13 @@
 // sum too); the probabilities are rounded to bf16 for the weighted sum of values, which accumulates in fp32 —
 // as torch's CPU flash attention does for bf16 inputs. Token t sees slots kv_index[0 .. lengths[t] - 1].
 //
-// Built only where the compiler targets AVX512_BF16; bf16_dot() tells (the callers check it).
+// Built only where FASTCPU_BF16_DOT is set (fastcpu_vec.h); bf16_dot() tells (the callers check it).
 
 #include "fastcpu_vec.h"
 
 #include <memory>
 #include <tuple>
 #include <utility>
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define FASTCPU_BF16_DOT 1
-#endif
 
 namespace {
 
@@ -105,10 +101,7 @@ std::pair<float, float> softmax_row(float* s, int64_t len, int64_t padded, uint3
     total += s[j];
   }
   std::fill(s + len, s + padded, 0.f);
-  for (int64_t k = 0; k < padded; k += 32) {  // 32 floats -> 16 pairs: cvtne2ps puts its second operand low
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k));
-    _mm512_storeu_si512(pp + k / 2, (__m512i)v);
-  }
+  for (int64_t k = 0; k < padded; k += 32) bf16_pairs32(s + k, pp + k / 2);
   return {mx, total};
 }
 
@@ -201,10 +194,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
         const float* qr = qf + (t * h + head) * d;
-        for (int64_t i = 0; i < d; i += 32) {
-          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + i + 16), _mm512_loadu_ps(qr + i));
-          _mm512_storeu_si512(qp.data() + r * pairs + i / 2, (__m512i)v);
-        }
+        for (int64_t i = 0; i < d; i += 32) bf16_pairs32(qr + i, qp.data() + r * pairs + i / 2);
         max_len = std::max(max_len, lens[t]);
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;

@@ -15,6 +15,12 @@
 #include <type_traits>
 #include <vector>
 
+// Where the compiler targets AVX512_BF16 (-march=native on such a host), the bf16 dot-product kernels are built
+// (linear_bf16, extend_attention); bf16_dot() tells at run time.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define FASTCPU_BF16_DOT 1
+#endif
+
 namespace fastcpu {
 
 // The linear kernels' optional bias: float32 [n] (null when absent).
@@ -134,5 +140,14 @@ inline v16 exp16(v16 x) {
   std::memcpy(&scale, &pow2, sizeof(scale));
   return y * scale;
 }
+
+#ifdef FASTCPU_BF16_DOT
+// 32 floats -> 16 words of two bf16 each (values 2i and 2i + 1: vdpbf16ps's pair operand), rounded to nearest
+// even. cvtne2ps puts its second operand in the low half.
+inline void bf16_pairs32(const float* x, uint32_t* out) {
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+  _mm512_storeu_si512(out, (__m512i)v);
+}
+#endif
 
 }  // namespace fastcpu
