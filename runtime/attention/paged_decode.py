@@ -11,8 +11,8 @@ Chunks of many new tokens over a bf16 pool (a prefill, over a cached prefix or n
 ``extend_attention`` instead where the CPU has AVX512_BF16 (``fastcpu_extend.cpp``): it packs the prefix once
 per KV head and runs the scores and the value sum as bf16 GEMMs, where the decode kernel passes over the prefix
 once per few query heads and SDPA needs a gathered copy; and the tokens of a cascade group against their shared
-prefix (``gemm_shared``). A 130-token chunk over a 1k-token prefix measured 1.5 ms per layer against 3.3 (SDPA)
-and 3.8 (the decode kernel) (``benchmarks/bench_extend.py``); its error against float64 on the default model's
+prefix (``gemm_shared``). A 130-token chunk over a 1k-token prefix measured 1.5 ms per layer against 3.2 (SDPA)
+and 3.7-4.3 (the decode kernel) (``benchmarks/bench_extend.py``); its error against float64 on the default model's
 own activations equals SDPA's once both are rounded to bf16. Below ``GEMM_EXTEND_MIN`` tokens (verified drafts
 among them) the decode kernel runs, whose result per token does not depend on the tokens beside it.
 """
@@ -47,8 +47,8 @@ class PagedDecodeKernel:
 
     def gemm_shared(self, dtype: torch.dtype) -> bool:
         """Whether a cascade group's tokens attend their shared prefix in a ``dtype`` pool through the GEMM
-        kernel: at any group size (2 decode rows over a 1k prefix: 0.08 ms per layer against SDPA's 0.13, 8
-        rows 0.16 against 0.27), since a group's results depend on its members anyway."""
+        kernel: at any group size (2 decode rows over a 1k prefix: 0.07 ms per layer against SDPA's 0.13, 8
+        rows 0.13-0.16 against 0.23-0.27), since a group's results depend on its members anyway."""
         return self.bf16_gemm and dtype == torch.bfloat16
 
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
