@@ -51,12 +51,26 @@ class PagedDecodeKernel:
         rows 0.13-0.16 against 0.23-0.27), since a group's results depend on its members anyway."""
         return self.bf16_gemm and dtype == torch.bfloat16
 
+    def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> bool:
+        """Write new tokens' K and V ``[T, Hkv, D]`` into ``slots`` of one layer's 2-D pools in one kernel call;
+        False (nothing written) where the kernel does not take them (another dtype than the pool's, a layout
+        other than contiguous heads), for the caller's general path."""
+        if k.dtype != k_pool.dtype or v.dtype != k_pool.dtype:
+            return False
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return False
+        if k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]:
+            return False
+        self.kernels.store_kv(k_pool, v_pool, slots, k, v)
+        return True
+
     def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
             lengths: torch.Tensor, row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``; pools ``[slots, Hkv * D]``; token t attends ``kv_index[row_index[t], :lengths[t]]``
-        (``row_index`` None: row t; entries past a length are never read). Returns ``(out [T, H, D] fp32,
-        lse [T, H] fp32)``."""
-        out, lse = self.kernels.decode_attention(q.float(), k_pool, v_pool, kv_index, row_index, lengths,
+        (``row_index`` None: row t; entries past a length are never read). Returns ``(out [T, H, D] in q's
+        dtype, lse [T, H] fp32)``."""
+        out, lse = self.kernels.decode_attention(_kernel_dtype(q), k_pool, v_pool, kv_index, row_index, lengths,
                                                  self.shape.scale, self.shape.num_kv_heads)
         return out, lse
 
@@ -80,9 +94,15 @@ class PagedDecodeKernel:
 
     def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = self.kernels.extend_attention(q.float(), k_pool, v_pool, kv_index.reshape(-1), lengths,
+        out, lse = self.kernels.extend_attention(_kernel_dtype(q), k_pool, v_pool, kv_index.reshape(-1), lengths,
                                                  self.shape.scale, self.shape.num_kv_heads)
         return out, lse
+
+
+def _kernel_dtype(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernels take it: float32 or bfloat16 as it is (they widen it themselves, cheaper than a torch
+    conversion from Python), anything else converted to float32."""
+    return q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
 
 
 def supported(shape: AttentionShape, dtype: torch.dtype | None = None) -> bool:

@@ -84,14 +84,15 @@ class TorchNativeBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         kv = batch.kv
-        kv.set_kv(layer_id, batch.out_cache_loc, k, v)
+        # 2-D views of this layer's pool: row gathers of [Hkv*D] are memcpy-fast.
+        k_pool = kv.k(layer_id).view(kv.total_slots, -1)
+        v_pool = kv.v(layer_id).view(kv.total_slots, -1)
+        if self.paged is None or not self.paged.store(k_pool, v_pool, batch.out_cache_loc, k, v):
+            kv.set_kv(layer_id, batch.out_cache_loc, k, v)
         meta: TorchNativeMetadata = batch.attn_metadata
         in_dtype = q.dtype
         if q.dtype != kv.shape.dtype:
             q = q.to(kv.shape.dtype)
-        # 2-D views of this layer's pool: row gathers of [Hkv*D] are memcpy-fast.
-        k_pool = kv.k(layer_id).view(kv.total_slots, -1)
-        v_pool = kv.v(layer_id).view(kv.total_slots, -1)
 
         dec, casc = meta.decode, meta.cascade
         if casc is None and dec is not None and dec.token_rows is None:  # pure decode: the whole output at once
@@ -173,18 +174,15 @@ class TorchNativeBackend(AttentionBackend):
         for part in casc.shared:
             p, n = part.prefix_len, part.end - part.start
             if self.paged is not None and self.paged.gemm_shared(k_pool.dtype):  # bf16 GEMMs, in place
-                index = part.kv_index
-                if index is None:
-                    index = torch.arange(part.kv_start, part.kv_start + p, dtype=torch.int64, device=q.device)
-                o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, index)
+                o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, part.slots)
                 merge_attention_(out[part.start : part.end].view(n, hkv, g, d),
                                  lse[part.start : part.end].view(n, hkv, g), o_sh.view(n, hkv, g, d),
                                  lse_sh.view(n, hkv, g))
                 continue
-            if part.kv_index is None:
+            if part.kv_start is not None:
                 k, v = k_pool.narrow(0, part.kv_start, p), v_pool.narrow(0, part.kv_start, p)
             else:
-                k, v = self._gather(k_pool, part.kv_index, "k"), self._gather(v_pool, part.kv_index, "v")
+                k, v = self._gather(k_pool, part.slots, "k"), self._gather(v_pool, part.slots, "v")
             # KV head = batch; the G heads of all n tokens are the rows: [1, Hkv, n*G, D] vs [1, Hkv, P, D].
             q4 = q[part.start : part.end].reshape(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
             o_sh, lse_sh = attention_with_lse(q4, k.view(1, p, hkv, d).transpose(1, 2),

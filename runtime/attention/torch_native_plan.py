@@ -46,8 +46,8 @@ class SharedPart:
     start: int
     end: int
     prefix_len: int  # P
-    kv_index: torch.Tensor | None  # [P] slots; None when they are the contiguous run kv_start .. + P - 1
-    kv_start: int = 0
+    slots: torch.Tensor  # [P] pool slots of the prefix (what kernels reading the pool in place walk)
+    kv_start: int | None = None  # set when the slots are the contiguous run kv_start .. + P - 1 (no gather)
 
 
 @dataclass
@@ -137,7 +137,7 @@ def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> 
     # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
     first = int(index[0])
     if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
-        return SharedPart(start, end, g.prefix_len, None, first)
+        return SharedPart(start, end, g.prefix_len, index, first)
     return SharedPart(start, end, g.prefix_len, index)
 
 def _decode_group(batch: ForwardBatch, members: Sequence[int] | None, skip: Sequence[int] | None,

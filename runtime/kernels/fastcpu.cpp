@@ -180,11 +180,13 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_poo
                                             torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                             torch::Tensor lengths, double scale, int64_t num_kv_heads);
 
-// or int8 with a per-output scale). With ``out`` given, the result is added into it in place (a residual).
+// y = x @ W.T (* scale) (+ bias), W packed by runtime/models/packed.py as [ceil(N/64), K, 64] (float32, bfloat16
+// or int8 with a per-output scale); x float32 or bfloat16, y in x's dtype. With ``out`` given, the result is added
+// into it in place (a residual; fastcpu::LinearOutput).
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> scale,
                             c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, "x must be float32 [M, K] with contiguous rows");
-  const int64_t m = x.size(0), k = x.size(1);
+  const torch::Tensor xf = fastcpu::float_rows(x);
+  const int64_t m = xf.size(0), k = xf.size(1);
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == k && packed.size(2) == kPanel &&
               packed.size(0) * kPanel >= n, "packed weight must be [ceil(N/64), K, 64]");
   const float* sp = nullptr;
@@ -193,25 +195,24 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, c1
     sp = scale->data_ptr<float>();
   }
   const float* bp = fastcpu::bias_data(bias, n);
-  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  fastcpu::LinearOutput y(out, x, m, n);
+  const float* xp = xf.data_ptr<float>();
+  const int64_t ldx = xf.stride(0);
   switch (packed.scalar_type()) {
     case torch::kFloat32:
-      linear_packed_impl(xp, x.stride(0), m, k, packed.data_ptr<float>(), sp, bp, yp, y.stride(0), n, out.has_value());
+      linear_packed_impl(xp, ldx, m, k, packed.data_ptr<float>(), sp, bp, y.data(), y.ld(), n, y.accumulate());
       break;
     case torch::kBFloat16:
-      linear_packed_impl(xp, x.stride(0), m, k, packed.data_ptr<at::BFloat16>(), sp, bp, yp, y.stride(0), n,
-                         out.has_value());
+      linear_packed_impl(xp, ldx, m, k, packed.data_ptr<at::BFloat16>(), sp, bp, y.data(), y.ld(), n, y.accumulate());
       break;
     case torch::kChar:
       TORCH_CHECK(sp, "int8 weights need a scale");
-      linear_packed_impl(xp, x.stride(0), m, k, packed.data_ptr<int8_t>(), sp, bp, yp, y.stride(0), n, out.has_value());
+      linear_packed_impl(xp, ldx, m, k, packed.data_ptr<int8_t>(), sp, bp, y.data(), y.ld(), n, y.accumulate());
       break;
     default:
       TORCH_CHECK(false, "packed weights must be float32, bfloat16 or int8");
   }
-  return y;
+  return y.finish();
 }
 
 
@@ -256,6 +257,35 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signe
   return y;
 }
 
+// The K and V rows of new tokens ([T, Hkv, D] each, any row stride, contiguous heads) into pool rows ``slots``
+// of the 2-D pools [slots, Hkv * D] of one layer, all in the pool's dtype: one call for what two index_copy_
+// calls through torch did (a few microseconds of dispatch each, per layer of every step).
+void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_pool.dim() == 2 && v_pool.dim() == 2 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+              k_pool.sizes() == v_pool.sizes(), "pools must be contiguous [slots, Hkv * D] of one shape");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "slots must be contiguous int64 [T]");
+  const int64_t t = slots.size(0), width = k_pool.size(1), rows = k_pool.size(0);
+  for (const torch::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
+                x->stride(1) == x->size(2) && x->scalar_type() == k_pool.scalar_type() &&
+                v_pool.scalar_type() == k_pool.scalar_type(), "k and v must be [T, Hkv, D] in the pool's dtype");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "slot out of range");
+  const int64_t bytes = width * k_pool.element_size();
+  char* kp = static_cast<char*>(k_pool.data_ptr());
+  char* vp = static_cast<char*>(v_pool.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t kld = k.stride(0) * k.element_size(), vld = v.stride(0) * v.element_size();
+  at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      std::memcpy(kp + sp[i] * bytes, ks + i * kld, bytes);
+      std::memcpy(vp + sp[i] * bytes, vs + i * vld, bytes);
+    }
+  });
+}
+
 // In fastcpu_int8.cpp.
 bool int8_vnni();
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
@@ -273,6 +303,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over paged KV read in place; (out, lse)");
+  m.def("store_kv", &store_kv, "new tokens' K and V rows into their pool slots");
   m.def("rms_norm", &rms_norm, "RMSNorm per row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary", &rotary, "rotary position embedding");

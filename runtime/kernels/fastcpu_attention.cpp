@@ -150,13 +150,15 @@ std::vector<Segment> segments(const int64_t* which, const int64_t* lens, int64_t
   return out;
 }
 
+// q: float32, contiguous; the output is written in out_dtype (float32 or bfloat16: the model's activations).
 template <typename KV>
 std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_pool,
                                                  const torch::Tensor& v_pool, const torch::Tensor& kv_index,
                                                  const torch::Tensor& row_index, const torch::Tensor& lengths,
-                                                 double scale, int64_t hkv) {
+                                                 double scale, int64_t hkv, torch::ScalarType out_dtype) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), group = h / hkv, width = kv_index.size(1);
-  const int64_t max_len = lengths.numel() ? lengths.max().item<int64_t>() : 0;
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  const int64_t max_len = b ? *std::max_element(lens, lens + b) : 0;
   // Ranges of kRange positions from each row's start, whatever the batch: a row's arithmetic (its ranges and
   // their merge order) depends on its own length only, so a decode row gives the same bits alone, in a batch
   // or as one of a verified draft's rows (speculative decoding's outputs equal those without). One long row
@@ -171,7 +173,6 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   const KV* vp = v_pool.data_ptr<KV>();
   const int64_t* idx = kv_index.data_ptr<int64_t>();
   const int64_t* which = row_index.defined() ? row_index.data_ptr<int64_t>() : nullptr;
-  const int64_t* lens = lengths.data_ptr<int64_t>();
   float* pm = part_m.data_ptr<float>();
   float* pl = part_l.data_ptr<float>();
   float* pa = part_acc.data_ptr<float>();
@@ -211,42 +212,50 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
       }
     }
   });
-  torch::Tensor out = torch::empty({b, h, d}, opts);
+  torch::Tensor out = torch::empty({b, h, d}, opts.dtype(out_dtype));
   torch::Tensor lse = torch::empty({b, h}, opts);
-  float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / h, head = item % h;
-      float mx = -INFINITY;
-      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * h + head]);
-      float total = 0.f;
-      float* o = op + item * d;
-      std::fill(o, o + d, 0.f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t at = (r * splits + sp) * h + head;
-        if (pl[at] == 0.f) continue;
-        const float w = std::exp(pm[at] - mx);
-        total += pl[at] * w;
-        for (int64_t i = 0; i < d; ++i) o[i] += pa[at * d + i] * w;
+  auto merge = [&](auto* op) {
+    at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
+      alignas(64) float o[kMaxDim];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t r = item / h, head = item % h;
+        float mx = -INFINITY;
+        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * h + head]);
+        float total = 0.f;
+        std::fill(o, o + d, 0.f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t at = (r * splits + sp) * h + head;
+          if (pl[at] == 0.f) continue;
+          const float w = std::exp(pm[at] - mx);
+          total += pl[at] * w;
+          for (int64_t i = 0; i < d; ++i) o[i] += pa[at * d + i] * w;
+        }
+        const float inv = total > 0.f ? 1.0f / total : 0.f;
+        for (int64_t i = 0; i < d; i += 16) store(op + item * d + i, load(o + i) * splat(inv));
+        lp[item] = mx + std::log(total);
       }
-      const float inv = total > 0.f ? 1.0f / total : 0.f;
-      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
-      lp[item] = mx + std::log(total);
-    }
-  });
+    });
+  };
+  if (out_dtype == torch::kFloat32)
+    merge(out.data_ptr<float>());
+  else
+    merge(out.data_ptr<at::BFloat16>());
   return {out, lse};
 }
 
 }  // namespace
 
 // Token t (a decode row, or one new token of a short prefill chunk) attends slots
-// kv_index[row_index[t], 0 .. lengths[t] - 1] (row_index absent: row t).
+// kv_index[row_index[t], 0 .. lengths[t] - 1] (row_index absent: row t). Returns (out [B, H, D] in q's dtype,
+// lse [B, H] float32).
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                             torch::Tensor lengths, double scale, int64_t num_kv_heads) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [B, H, D]");
-  q = q.contiguous();
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "q must be float32 or bfloat16 [B, H, D]");
+  const torch::ScalarType out_dtype = q.scalar_type();
+  q = fastcpu::float_queries(q);
   const int64_t h = q.size(1), d = q.size(2);
   TORCH_CHECK(h % num_kv_heads == 0 && h / num_kv_heads <= kMaxGroup, "unsupported head grouping");
   TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "head dim must be a multiple of 16, at most 256");
@@ -265,9 +274,8 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_poo
     TORCH_CHECK(kv_index.size(0) == q.size(0), "kv_index needs one row per token without row_index");
   }
   if (k_pool.scalar_type() == torch::kFloat32)
-    return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
+    return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads, out_dtype);
   TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pools must be float32 or bfloat16");
-  return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
+  return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads,
+                                             out_dtype);
 }
-
-// y = x @ W.T (* scale) (+ bias), W packed by runtime/models/packed.py as [ceil(N/64), K, 64] (float32, bfloat16

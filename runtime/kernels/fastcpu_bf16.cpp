@@ -117,23 +117,24 @@ bool bf16_dot() {
 #endif
 }
 
-// y = x @ W.T (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/2), 128] bfloat16), x fp32 [M, K].
+// y = x @ W.T (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/2), 128] bfloat16), x float32 or bfloat16
+// [M, K]; y in x's dtype (fastcpu::LinearOutput).
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> out) {
 #ifdef FASTCPU_BF16_DOT
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
-              "x must be float32 [M, K] with contiguous rows");
-  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
+  const torch::Tensor xf = fastcpu::float_rows(x);
+  const int64_t m = xf.size(0), k = xf.size(1), pairs = (k + 1) / 2;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
               packed.size(1) == pairs && packed.size(2) == kPairElems && packed.size(0) * kPanel >= n,
               "packed weight must be bfloat16 [ceil(N/64), ceil(K/2), 128]");
   const float* bp = fastcpu::bias_data(bias, n);
-  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
-  if (m == 0) return y;
-  const std::vector<uint32_t> xp = pair_rows(x.data_ptr<float>(), x.stride(0), m, k);
-  linear_bf16_impl(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
-                   y.data_ptr<float>(), y.stride(0), n, out.has_value());
-  return y;
+  fastcpu::LinearOutput y(out, x, m, n);
+  if (m > 0) {
+    const std::vector<uint32_t> xp = pair_rows(xf.data_ptr<float>(), xf.stride(0), m, k);
+    linear_bf16_impl(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
+                     y.data(), y.ld(), n, y.accumulate());
+  }
+  return y.finish();
 #else
   TORCH_CHECK(false, "linear_bf16 needs AVX512_BF16 (this build targets a CPU without it)");
   return x;

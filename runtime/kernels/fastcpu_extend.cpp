@@ -136,14 +136,15 @@ void value_block(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint1
 
 }  // namespace
 
-// q [T, H, D] (float32); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S).
+// q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S).
 // Returns (out [T, H, D] float32, lse [T, H] float32).
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
                                             int64_t num_kv_heads) {
 #ifdef FASTCPU_BF16_DOT
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be float32 [T, H, D]");
-  q = q.contiguous();
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "q must be float32 or bfloat16 [T, H, D]");
+  q = fastcpu::float_queries(q);
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
   TORCH_CHECK(d == 64 || d == 128, "head dim must be 64 or 128");

@@ -183,27 +183,27 @@ bool int8_vnni() {
 #endif
 }
 
-// y = x @ W.T * scale (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/4), 256] uint8), x fp32 [M, K]
-// quantised per row in blocks of `block` k values (a multiple of 16; 0: one block per row).
+// y = x @ W.T * scale (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/4), 256] uint8), x float32 or
+// bfloat16 [M, K] (y in its dtype, fastcpu::LinearOutput) quantised per row in blocks of `block` k values (a multiple of 16; 0: one block per row).
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block) {
 #ifdef FASTCPU_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
-              "x must be float32 [M, K] with contiguous rows");
-  const int64_t m = x.size(0), k = x.size(1), groups = (k + 3) / 4;
+  const torch::Tensor xf = fastcpu::float_rows(x);
+  const int64_t m = xf.size(0), k = xf.size(1), groups = (k + 3) / 4;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kByte &&
               packed.size(1) == groups && packed.size(2) == kGroupBytes && packed.size(0) * kPanel >= n,
               "packed weight must be uint8 [ceil(N/64), ceil(K/4), 256]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() >= n, "bad scale");
   TORCH_CHECK(block >= 0 && block % 16 == 0, "block must be a multiple of 16 (0: whole rows)");
   const float* bp = fastcpu::bias_data(bias, n);
-  torch::Tensor y = fastcpu::output_rows(out, x, m, n);
-  if (m == 0) return y;
-  const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
-  const QuantRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, blk);
-  linear_int8_impl(xq, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.data_ptr<float>(),
-                   y.stride(0), n, out.has_value());
-  return y;
+  fastcpu::LinearOutput y(out, x, m, n);
+  if (m > 0) {
+    const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
+    const QuantRows xq = quantize_rows(xf.data_ptr<float>(), xf.stride(0), m, k, blk);
+    linear_int8_impl(xq, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.data(), y.ld(), n,
+                     y.accumulate());
+  }
+  return y.finish();
 #else
   TORCH_CHECK(false, "linear_int8 needs AVX512-VNNI (this build targets a CPU without it)");
   return x;

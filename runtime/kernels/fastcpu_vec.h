@@ -1,6 +1,6 @@
 // Helpers shared by the fastcpu kernels (fastcpu*.cpp): 16-float GCC vectors, loads that widen bf16 / int8 to
-// fp32, stores that round to bf16 as torch does, transposed horizontal sums, a vectorised exp, and the checks
-// of the linear kernels' optional bias and output.
+// fp32, stores that round to bf16 as torch does, transposed horizontal sums, a vectorised exp, and the linear
+// kernels' activations in and out (float32 or bfloat16) and optional bias.
 #pragma once
 
 #include <torch/extension.h>
@@ -22,22 +22,6 @@
 #endif
 
 namespace fastcpu {
-
-// The linear kernels' optional bias: float32 [n] (null when absent).
-inline const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
-  return bias->data_ptr<float>();
-}
-
-// The linear kernels' result: ``out`` when given (the product is added to it), else a new float32 [m, n].
-inline torch::Tensor output_rows(const c10::optional<torch::Tensor>& out, const torch::Tensor& x, int64_t m,
-                                 int64_t n) {
-  if (!out.has_value()) return torch::empty({m, n}, x.options());
-  TORCH_CHECK(out->scalar_type() == torch::kFloat32 && out->dim() == 2 && out->size(0) == m && out->size(1) == n &&
-              out->stride(1) == 1, "out must be float32 [M, N] with contiguous rows");
-  return *out;
-}
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -149,5 +133,102 @@ inline void bf16_pairs32(const float* x, uint32_t* out) {
   _mm512_storeu_si512(out, (__m512i)v);
 }
 #endif
+
+
+// ------------------------------------------------------------------ activations in the model's dtype
+// The kernels compute in fp32 but take and give the model's activations as they are (float32 or bfloat16):
+// converting here costs a loop over a few thousand values, where a conversion through torch from Python cost
+// ~5 us of dispatch per tensor, a dozen times per layer of a decode step.
+
+// x as float32 rows with contiguous elements: x itself, or a widened copy of a bfloat16 x (exact).
+inline torch::Tensor float_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  if (x.scalar_type() == torch::kFloat32) return x;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
+  torch::Tensor xf = torch::empty({m, k}, x.options().dtype(torch::kFloat32));
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  float* dst = xf.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t i = 0;
+      for (; i + 16 <= k; i += 16) store(dst + r * k + i, load(src + r * ldx + i));
+      for (; i < k; ++i) dst[r * k + i] = static_cast<float>(src[r * ldx + i]);
+    }
+  });
+  return xf;
+}
+
+// Attention queries [T, H, D] (any row stride, contiguous heads) as contiguous float32: q itself when it is so,
+// else a copy (bfloat16 widened exactly).
+inline torch::Tensor float_queries(const torch::Tensor& q) {
+  if (q.scalar_type() == torch::kFloat32) return q.contiguous();
+  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
+  if (q.stride(2) == 1 && q.stride(1) == d) return float_rows(q.reshape({t, h * d})).view({t, h, d});
+  return q.to(torch::kFloat32).contiguous();
+}
+
+// The linear kernels' optional bias: float32 [n] (null when absent).
+inline const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n, "bad bias");
+  return bias->data_ptr<float>();
+}
+
+// Where a linear kernel's fp32 products go and what its caller gets back. Without ``out``: a new [m, n] in x's
+// dtype. With ``out`` (a residual): the products are added to it in place — a float32 ``out`` takes them
+// directly (the kernel accumulates), a bfloat16 one as torch's ``out.add_(y.to(bfloat16))`` would: y rounded to
+// bf16, added in fp32, rounded again, so a bf16 model's residual stream has the same bits either way.
+class LinearOutput {
+ public:
+  LinearOutput(const c10::optional<torch::Tensor>& out, const torch::Tensor& x, int64_t m, int64_t n) {
+    const auto f32 = x.options().dtype(torch::kFloat32);
+    if (out.has_value()) {
+      TORCH_CHECK(out->dim() == 2 && out->size(0) == m && out->size(1) == n && out->stride(1) == 1 &&
+                  (out->scalar_type() == torch::kFloat32 || out->scalar_type() == torch::kBFloat16),
+                  "out must be float32 or bfloat16 [M, N] with contiguous rows");
+      result_ = *out;
+      accumulate_ = out->scalar_type() == torch::kFloat32;
+      acc_ = accumulate_ ? result_ : torch::empty({m, n}, f32);
+      add_into_ = !accumulate_;
+    } else {
+      acc_ = torch::empty({m, n}, f32);
+      result_ = x.scalar_type() == torch::kFloat32 ? acc_ : torch::empty({m, n}, x.options());
+    }
+  }
+  float* data() { return acc_.data_ptr<float>(); }
+  int64_t ld() const { return acc_.stride(0); }
+  // Whether the kernel adds its products into data() (else it overwrites them).
+  bool accumulate() const { return accumulate_; }
+
+  // The result, once the kernel has written data().
+  torch::Tensor finish() {
+    if (result_.scalar_type() == torch::kFloat32) return result_;
+    const int64_t m = acc_.size(0), n = acc_.size(1), ldr = result_.stride(0);
+    const float* a = acc_.data_ptr<float>();
+    at::BFloat16* r = result_.data_ptr<at::BFloat16>();
+    const bool add = add_into_;
+    at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+      for (int64_t row = r0; row < r1; ++row) {
+        const float* ar = a + row * n;
+        at::BFloat16* rr = r + row * ldr;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+          v16 y = round_to(load(ar + i), static_cast<at::BFloat16*>(nullptr));
+          store(rr + i, add ? load(rr + i) + y : y);
+        }
+        for (; i < n; ++i) {
+          const float y = static_cast<float>(at::BFloat16(ar[i]));
+          rr[i] = at::BFloat16(add ? static_cast<float>(rr[i]) + y : y);
+        }
+      }
+    });
+    return result_;
+  }
+
+ private:
+  torch::Tensor acc_, result_;
+  bool accumulate_ = false, add_into_ = false;
+};
 
 }  // namespace fastcpu

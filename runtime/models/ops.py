@@ -126,6 +126,8 @@ BF16_DOT_SMALL_M = 32
 # (weight-only int8: +0.6% / 61%). Blocks of 32 cost ~1% more time than whole rows at 1 row, ~8% at 8.
 INT8_ACT_BLOCK = 32
 INT8_KERNELS = ("vnni", "float")
+# Activation dtypes the packed kernels take and give as they are (others are converted to float32 first).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedCpuOps(TorchOps):
@@ -183,27 +185,31 @@ class PackedCpuOps(TorchOps):
 
     def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor | None) -> torch.Tensor | None:
-        """The packed product (None: not this kernel's case: no packed copy, or a large float batch)."""
+        """The packed product (None: not this kernel's case: no packed copy, or a large float batch). The
+        kernels take x in float32 or bfloat16 and return the product in x's dtype, or add it into ``out``
+        (either dtype) in place; converting in the kernel saves a torch call per tensor."""
         pw = self.packed.get(id(weight))
         if pw is None:
             return None
-        xf = x.float()
+        xk = x if x.dtype in KERNEL_DTYPES else x.float()
         b = bias.float() if bias is not None else None
         if pw.layout == "vnni":
             assert pw.scale is not None
-            return self.k.linear_int8(xf, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
+            return self.k.linear_int8(xk, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
         if pw.layout == "bf16pair":
-            return self.k.linear_bf16(xf, pw.data, pw.out_features, b, out) if x.shape[0] <= self.small_m else None
+            return self.k.linear_bf16(xk, pw.data, pw.out_features, b, out) if x.shape[0] <= self.small_m else None
         if x.shape[0] <= self.small_m:
-            return self.k.linear_packed(xf, pw.data, pw.out_features, pw.scale, b, out)
+            return self.k.linear_packed(xk, pw.data, pw.out_features, pw.scale, b, out)
         if self.weight_format != "int8":
             return None
-        y = F.linear(xf, dequantize(pw), b)  # int8 without VNNI, large batch: a GEMM over the dequantised weight
-        return y if out is None else out.add_(y)
+        y = F.linear(x.float(), dequantize(pw), b)  # int8 without VNNI, large batch: a GEMM over the dequantised weight
+        return y if out is None else out.add_(y.to(out.dtype))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self._run(x, weight, bias, None)
-        return super().linear(x, weight, bias) if y is None else y.to(x.dtype)
+        if y is None:
+            return super().linear(x, weight, bias)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # One fused pass each instead of 3-6 ATen ops (the per-op overhead decides a small decode step).
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -224,7 +230,7 @@ class PackedCpuOps(TorchOps):
 
     def add_linear_(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> None:
-        if residual.dtype == torch.float32 and residual.stride(1) == 1:
+        if residual.dtype in KERNEL_DTYPES and residual.stride(1) == 1:
             if self._run(x, weight, bias, residual) is not None:
                 return
         else:
