@@ -32,6 +32,34 @@ constexpr int kRows = 8;  // query rows per block of the score pass (8 accumulat
 constexpr int kPvRows = 4;  // query rows per pass of the value sum (4 rows x D/16 accumulators)
 constexpr int64_t kMaxDim = 128;
 
+// Words col0 .. col0 + 15 of 16 rows, transposed: out + 16 * i receives word col0 + i of rows 0 .. 15. Three
+// rounds of in-lane unpacks and 128-bit lane shuffles (64 instructions for 256 words) instead of a strided scalar
+// store per word, which made packing the prefix most of the kernel's time at a few query rows.
+inline void transpose_words16(const uint32_t* const* rows, int64_t col0, uint32_t* out) {
+  __m512i a[16], u[16];
+  for (int r = 0; r < 16; ++r) a[r] = _mm512_loadu_si512(rows[r] + col0);
+  // u[4g + c], 128-bit lane L: word 4L + c of rows 4g .. 4g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i t0 = _mm512_unpacklo_epi32(a[4 * g], a[4 * g + 1]), t1 = _mm512_unpackhi_epi32(a[4 * g], a[4 * g + 1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(a[4 * g + 2], a[4 * g + 3]);
+    const __m512i t3 = _mm512_unpackhi_epi32(a[4 * g + 2], a[4 * g + 3]);
+    u[4 * g] = _mm512_unpacklo_epi64(t0, t2);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t0, t2);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t1, t3);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t1, t3);
+  }
+  // word 4L + c of all 16 rows: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+  for (int c = 0; c < 4; ++c) {
+    const __m512i p = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), q = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i r = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i s = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    _mm512_storeu_si512(out + 16 * c, _mm512_shuffle_i32x4(p, r, 0x88));
+    _mm512_storeu_si512(out + 16 * (4 + c), _mm512_shuffle_i32x4(p, r, 0xDD));
+    _mm512_storeu_si512(out + 16 * (8 + c), _mm512_shuffle_i32x4(q, s, 0x88));
+    _mm512_storeu_si512(out + 16 * (12 + c), _mm512_shuffle_i32x4(q, s, 0xDD));
+  }
+}
+
 // K of one KV head as tiles of 16 keys: [tiles][D/2][16 keys][2] — for each pair of dims, the 16 keys' two
 // values side by side (vdpbf16ps's operand). V as pairs of keys: [S/2][D][2] — for each pair of keys, every
 // dim's two values side by side. Both take 16 * D values per tile. Keys past S are zero. Packs tile `tile`.
@@ -48,10 +76,9 @@ void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride
   }
   // K: a dim pair is one 32-bit word of a key's row, so the tile is a 16 x D/2 transpose of words.
   uint32_t* kt = reinterpret_cast<uint32_t*>(kp + tile * kKeys * d);
-  for (int64_t key = 0; key < kKeys; ++key) {
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(krow[key]);
-    for (int64_t i = 0; i < pairs; ++i) kt[i * kKeys + key] = kr[i];
-  }
+  const uint32_t* kwords[kKeys];
+  for (int64_t key = 0; key < kKeys; ++key) kwords[key] = reinterpret_cast<const uint32_t*>(krow[key]);
+  for (int64_t c0 = 0; c0 < pairs; c0 += 16) transpose_words16(kwords, c0, kt + c0 * kKeys);
   // V: word c of a key pair is (value c of the even key) | (value c of the odd key) << 16.
   uint32_t* vt = reinterpret_cast<uint32_t*>(vp + tile * kKeys * d);
   for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
