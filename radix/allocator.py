@@ -31,6 +31,7 @@ class PagedAllocator:
         self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._is_free[0] = False
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        self._free_epoch = 0
         self.reset()
 
     # ------------------------------------------------------------------ sizes
@@ -52,8 +53,16 @@ class PagedAllocator:
         return -(-n_tokens // self.page_size)
 
     # ------------------------------------------------------------------ alloc / free
+    @property
+    def free_epoch(self) -> int:
+        """Changes whenever pages are freed (or all are, by :meth:`reset`). A slot's KV is rewritten only after
+        the slot was freed and handed out again, so while the epoch stays the same every allocated slot keeps
+        its content: what lets a kernel reuse work derived from a cached prefix's KV across steps."""
+        return self._free_epoch
+
     def reset(self) -> None:
         """Everything free again (pages handed out before are forgotten, so only call it when idle)."""
+        self._free_epoch += 1
         # Popping from the end hands out low page numbers first, which keeps small pools easy to read.
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._is_free[1:] = True
@@ -118,6 +127,7 @@ class PagedAllocator:
             raise DoubleFreeError(f"pages {pages[already].tolist()[:8]} are already free")
         self._is_free[pages] = True
         self._free_pages.extend(pages.tolist())
+        self._free_epoch += 1
 
     # ------------------------------------------------------------------ helpers
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:

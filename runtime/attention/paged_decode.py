@@ -14,13 +14,16 @@ once per few query heads and SDPA needs a gathered copy; and the tokens of a cas
 prefix (``gemm_shared``). A 130-token chunk over a 1k-token prefix measured 1.5 ms per layer against 3.2 (SDPA)
 and 3.7-4.3 (the decode kernel) (``benchmarks/bench_extend.py``); its error against float64 on the default model's
 own activations equals SDPA's once both are rounded to bf16. Below ``GEMM_EXTEND_MIN`` tokens (verified drafts
-among them) the decode kernel runs, whose result per token does not depend on the tokens beside it.
+among them) the decode kernel runs, whose result per token does not depend on the tokens beside it. A cascade
+group's packed prefix is kept across batches under the planner's reuse key (:meth:`PagedDecodeKernel.shared`),
+so a group's decode steps pack it once.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import torch
@@ -33,6 +36,9 @@ logger = logging.getLogger(__name__)
 # the two kernels were even, at 16 the GEMM one was ~2x faster alone and 0.98-1.14x in whole prefill steps
 # (SmolLM2's 3 x 3 heads, 1k-token prefix). Shorter chunks are verified drafts more often than prompts.
 GEMM_EXTEND_MIN = 16
+# Packed shared prefixes kept across steps (:meth:`PagedDecodeKernel.shared`), at most this many bytes: SmolLM2's
+# 1,000-token few-shot block takes ~24 MB over its 30 layers. Beyond it prefixes are packed per call, as before.
+PACKED_PREFIX_BYTES = 64 * 2**20
 
 
 class PagedDecodeKernel:
@@ -40,6 +46,23 @@ class PagedDecodeKernel:
         self.shape = shape
         self.kernels = kernels
         self.bf16_gemm = bool(kernels.bf16_dot()) and shape.head_dim in (64, 128)
+        # reuse key -> (layer, pool address) -> pack_prefix's (K, V); see shared()
+        self._packed: dict[Hashable, dict[tuple[int, int], list[torch.Tensor]]] = {}
+        self._packed_bytes = 0
+
+    @property
+    def kept_keys(self) -> set[Hashable]:
+        """The reuse keys under which packed prefixes are kept now."""
+        return set(self._packed)
+
+    def kept(self, reuse: Hashable) -> dict[tuple[int, int], list[torch.Tensor]]:
+        """The packs kept under ``reuse``: (layer, pool address) -> pack_prefix's (K, V); empty when none."""
+        return dict(self._packed.get(reuse, {}))
+
+    def keep_packed(self, keys: Collection[Hashable]) -> None:
+        """Forget the packed prefixes whose reuse key is not in ``keys`` (those of the batch about to run)."""
+        for key in [k for k in self._packed if k not in keys]:
+            self._packed_bytes -= sum(t.nbytes for pair in self._packed.pop(key).values() for t in pair)
 
     def gemm(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether a prefill chunk of ``tokens`` tokens over a ``dtype`` pool takes the GEMM kernel."""
@@ -84,18 +107,36 @@ class PagedDecodeKernel:
             return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
 
-    def shared(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               kv_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+               layer: int = 0, reuse: Hashable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of q ``[T, H, D]`` attends all the slots ``kv_index [P]`` (a cascade group's shared
         prefix), through the GEMM kernel (only where :meth:`gemm_shared` holds). Returns ``(out [T, H, D] fp32,
-        lse [T, H] fp32)``."""
+        lse [T, H] fp32)``.
+
+        ``reuse``: a key under which this layer's packed prefix is kept for later calls with the same key — the
+        caller vouches that the slots and their KV are the same while the key is (the planner's key holds the
+        allocator's free epoch, see ``torch_native_plan``). Packing was half the kernel's time for a batch of
+        decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
+        packed = None
+        if reuse is not None:
+            layers = self._packed.setdefault(reuse, {})
+            where = (layer, k_pool.data_ptr())
+            packed = layers.get(where)
+            if packed is None:
+                padded = -(-kv_index.numel() // 32) * 32
+                need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * k_pool.element_size()
+                if self._packed_bytes + need <= PACKED_PREFIX_BYTES:
+                    packed = self.kernels.pack_prefix(k_pool, v_pool, kv_index, self.shape.num_kv_heads,
+                                                      self.shape.head_dim)
+                    layers[where] = packed
+                    self._packed_bytes += need
         lengths = torch.full((q.shape[0],), kv_index.numel(), dtype=torch.int64)
-        return self._gemm(q, k_pool, v_pool, kv_index, lengths)
+        return self._gemm(q, k_pool, v_pool, kv_index, lengths, packed)
 
     def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-              lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              lengths: torch.Tensor, packed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = self.kernels.extend_attention(_kernel_dtype(q), k_pool, v_pool, kv_index.reshape(-1), lengths,
-                                                 self.shape.scale, self.shape.num_kv_heads)
+                                                 self.shape.scale, self.shape.num_kv_heads, packed)
         return out, lse
 
 

@@ -79,6 +79,9 @@ class TorchNativeBackend(AttentionBackend):
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
         plan_batch(batch, self.cascade)
+        if self.paged is not None:  # packed prefixes this batch does not share are dropped
+            casc = batch.attn_metadata.cascade
+            self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -98,7 +101,7 @@ class TorchNativeBackend(AttentionBackend):
         if casc is None and dec is not None and dec.token_rows is None:  # pure decode: the whole output at once
             return self._decode(q, k_pool, v_pool, dec).to(in_dtype)
         if casc is not None and casc.rows is None:  # every row is in a cascade group, in order
-            return self._cascade(q, k_pool, v_pool, casc).to(in_dtype)
+            return self._cascade(q, k_pool, v_pool, casc, layer_id).to(in_dtype)
         out = q.new_empty(q.shape[0], self.shape.num_heads, self.shape.head_dim)
         if dec is not None and dec.token_rows is not None:
             out.index_copy_(0, dec.token_rows, self._decode(q.index_select(0, dec.token_rows),
@@ -106,7 +109,7 @@ class TorchNativeBackend(AttentionBackend):
         for chunk in meta.prefills:
             self._prefill(q[chunk.start : chunk.end], k_pool, v_pool, chunk, out[chunk.start : chunk.end])
         if casc is not None and casc.rows is not None:
-            out.index_copy_(0, casc.rows, self._cascade(q.index_select(0, casc.rows), k_pool, v_pool, casc))
+            out.index_copy_(0, casc.rows, self._cascade(q.index_select(0, casc.rows), k_pool, v_pool, casc, layer_id))
         return out.to(in_dtype)
 
     def _gather(self, pool: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
@@ -166,7 +169,7 @@ class TorchNativeBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ cascade groups
     def _cascade(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 casc: CascadePlan) -> torch.Tensor:
+                 casc: CascadePlan, layer_id: int) -> torch.Tensor:
         """q ``[R, H, D]`` (the cascade rows) -> ``[R, H, D]``: own parts, then each group's shared part
         merged into its rows in place."""
         out, lse = self._cascade_own(q, k_pool, v_pool, casc)
@@ -174,7 +177,8 @@ class TorchNativeBackend(AttentionBackend):
         for part in casc.shared:
             p, n = part.prefix_len, part.end - part.start
             if self.paged is not None and self.paged.gemm_shared(k_pool.dtype):  # bf16 GEMMs, in place
-                o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, part.slots)
+                o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, part.slots, layer_id,
+                                                 part.reuse_key)
                 merge_attention_(out[part.start : part.end].view(n, hkv, g, d),
                                  lse[part.start : part.end].view(n, hkv, g), o_sh.view(n, hkv, g, d),
                                  lse_sh.view(n, hkv, g))

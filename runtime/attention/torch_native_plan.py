@@ -48,6 +48,10 @@ class SharedPart:
     prefix_len: int  # P
     slots: torch.Tensor  # [P] pool slots of the prefix (what kernels reading the pool in place walk)
     kv_start: int | None = None  # set when the slots are the contiguous run kv_start .. + P - 1 (no gather)
+    # Names this prefix's KV across batches (kernels may keep work derived from it under the key): the same key
+    # means the same slots holding the same KV — the allocator's free epoch is in it (``ForwardBatch.kv_epoch``).
+    # None: nothing is kept (the epoch is unknown, or the slots are scattered).
+    reuse_key: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -137,7 +141,8 @@ def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> 
     # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
     first = int(index[0])
     if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
-        return SharedPart(start, end, g.prefix_len, index, first)
+        key = None if batch.kv_epoch is None else (batch.kv_epoch, first, g.prefix_len)
+        return SharedPart(start, end, g.prefix_len, index, first, key)
     return SharedPart(start, end, g.prefix_len, index)
 
 def _decode_group(batch: ForwardBatch, members: Sequence[int] | None, skip: Sequence[int] | None,

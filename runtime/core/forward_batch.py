@@ -39,6 +39,10 @@ class ForwardBatch:
     kv: KVStorage
     req_to_token: torch.Tensor  # [max_requests, max_context] int64 (the table of ReqToTokenPool)
     attn_metadata: Any = None  # filled by AttentionBackend.plan()
+    # The KV allocator's free epoch when the batch was built (``PagedAllocator.free_epoch``): work derived from
+    # the KV of slots in the pool before this step stays valid across batches with the same epoch. None: the
+    # builder does not know it (kernels then keep nothing across batches).
+    kv_epoch: int | None = None
 
     @property
     def batch_size(self) -> int:

@@ -299,7 +299,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
 // In fastcpu_extend.cpp.
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
-                                            int64_t num_kv_heads);
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed);
+std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
+                                       int64_t num_kv_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over paged KV read in place; (out, lse)");
@@ -312,6 +314,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_vnni", &int8_vnni, "whether linear_int8 was built (the CPU has AVX512-VNNI)");
   m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
   m.def("extend_attention", &extend_attention,
-        "many tokens of one request against one row of bf16 KV slots with bf16 dot products; (out, lse)");
+        "many tokens of one request against one row of bf16 KV slots with bf16 dot products; (out, lse)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_index"), py::arg("lengths"), py::arg("scale"),
+        py::arg("num_kv_heads"), py::arg("packed") = py::none());
+  m.def("pack_prefix", &pack_prefix, "one layer's KV of a slot row packed for extend_attention; (K, V)");
   m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
 }

@@ -92,6 +92,33 @@ void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride
   }
 }
 
+// Every tile of every KV head of the slots [S]: kp and vp each [Hkv][padded][D] (padded: S rounded up to 32).
+void pack_heads(const uint16_t* kpool, const uint16_t* vpool, int64_t hkv, int64_t d, const int64_t* slots, int64_t s,
+                int64_t padded, uint16_t* kp, uint16_t* vp) {
+  const int64_t tiles = padded / kKeys;
+  at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kvh = item / tiles;
+      pack_tile(kpool, vpool, hkv * d, kvh * d, slots, s, d, item % tiles, kp + kvh * padded * d,
+                vp + kvh * padded * d);
+    }
+  });
+}
+
+// The checks both entry points make on the pools and the slot row.
+void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& kv_index, int64_t hkv,
+                 int64_t d) {
+  TORCH_CHECK(d == 64 || d == 128, "head dim must be 64 or 128");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kBFloat16 &&
+              v_pool.scalar_type() == torch::kBFloat16 && k_pool.numel() % (hkv * d) == 0 &&
+              v_pool.numel() == k_pool.numel(), "KV pools must be contiguous bfloat16 [slots, kv_heads * head_dim]");
+  TORCH_CHECK(kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64, "kv_index must be int64 [S]");
+  const int64_t rows = k_pool.numel() / (hkv * d);
+  const int64_t* slots = kv_index.data_ptr<int64_t>();
+  for (int64_t j = 0; j < kv_index.size(0); ++j)
+    TORCH_CHECK(slots[j * kv_index.stride(0)] >= 0 && slots[j * kv_index.stride(0)] < rows, "slot out of range");
+}
+
 // Scores of kRows query rows (bf16 pairs, [kRows][D/2] words) against key tiles [0, tiles): sc[r][j], scaled.
 void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float scale, float* sc,
                 int64_t ldsc) {
@@ -163,22 +190,42 @@ void value_block(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint1
 
 }  // namespace
 
-// q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S).
-// Returns (out [T, H, D] float32, lse [T, H] float32).
+// The prefix kv_index [S] of one layer packed as extend_attention reads it: (K, V), each bfloat16 [Hkv, S', D]
+// (S' = S rounded up to 32, zeros past S). Handed back to extend_attention for the same slots, it skips the
+// packing — for a prefix whose KV does not change between calls (a cascade group's, over decode steps).
+std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
+                                       int64_t num_kv_heads, int64_t head_dim) {
+#ifdef FASTCPU_BF16_DOT
+  const int64_t hkv = num_kv_heads, d = head_dim;
+  check_pools(k_pool, v_pool, kv_index, hkv, d);
+  kv_index = kv_index.contiguous();
+  const int64_t s = kv_index.size(0), padded = (s + 31) / 32 * 32;
+  auto opts = k_pool.options();
+  torch::Tensor kp = torch::empty({hkv, padded, d}, opts), vp = torch::empty({hkv, padded, d}, opts);
+  pack_heads(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), hkv, d,
+             kv_index.data_ptr<int64_t>(), s, padded, reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>()),
+             reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>()));
+  return {kp, vp};
+#else
+  TORCH_CHECK(false, "pack_prefix needs AVX512_BF16 (this build targets a CPU without it)");
+  return {k_pool};
+#endif
+}
+
+// q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S);
+// packed: pack_prefix's result for these slots, or none (packed here). Returns (out [T, H, D] float32,
+// lse [T, H] float32).
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
-                                            int64_t num_kv_heads) {
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed) {
 #ifdef FASTCPU_BF16_DOT
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [T, H, D]");
   q = fastcpu::float_queries(q);
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
-  TORCH_CHECK(d == 64 || d == 128, "head dim must be 64 or 128");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kBFloat16 &&
-              v_pool.scalar_type() == torch::kBFloat16 && k_pool.numel() % (hkv * d) == 0,
-              "KV pools must be contiguous bfloat16 [slots, kv_heads * head_dim]");
-  TORCH_CHECK(kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64, "kv_index must be int64 [S]");
+  check_pools(k_pool, v_pool, kv_index, hkv, d);
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == t_count, "lengths must be int64 [T]");
   kv_index = kv_index.contiguous();
   lengths = lengths.contiguous();
@@ -186,25 +233,31 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   const int64_t* lens = lengths.data_ptr<int64_t>();
   for (int64_t t = 0; t < t_count; ++t) TORCH_CHECK(lens[t] >= 1 && lens[t] <= s, "lengths must be in 1..S");
   // keys padded to a multiple of 32: the probabilities become bf16 pairs 32 keys at a time
-  const int64_t padded = (s + 31) / 32 * 32, tiles = padded / kKeys;
+  const int64_t padded = (s + 31) / 32 * 32;
   const int64_t rows = t_count * group, blocks = (rows + kRows - 1) / kRows;
   auto opts = q.options().dtype(torch::kFloat32);
   torch::Tensor out = torch::empty({t_count, h, d}, opts);
   torch::Tensor lse = torch::empty({t_count, h}, opts);
   if (t_count == 0) return {out, lse};
-  // every element is written by pack_tile: no zero fill (new[] leaves them uninitialised)
-  std::unique_ptr<uint16_t[]> kpack(new uint16_t[hkv * padded * d]), vpack(new uint16_t[hkv * padded * d]);
-  const int64_t* slots = kv_index.data_ptr<int64_t>();
-  const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
-  const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
-  const int64_t slot_stride = hkv * d;
-  at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item / tiles;
-      pack_tile(kpool, vpool, slot_stride, kvh * d, slots, s, d, item % tiles, kpack.get() + kvh * padded * d,
-                vpack.get() + kvh * padded * d);
-    }
-  });
+  std::unique_ptr<uint16_t[]> kown, vown;
+  const uint16_t* kpack;
+  const uint16_t* vpack;
+  if (packed.has_value()) {
+    TORCH_CHECK(packed->size() == 2, "packed must be pack_prefix's (K, V)");
+    for (const torch::Tensor& p : *packed)
+      TORCH_CHECK(p.is_contiguous() && p.scalar_type() == torch::kBFloat16 && p.dim() == 3 && p.size(0) == hkv &&
+                  p.size(1) == padded && p.size(2) == d, "packed K / V must be pack_prefix's for these slots");
+    kpack = reinterpret_cast<const uint16_t*>((*packed)[0].data_ptr<at::BFloat16>());
+    vpack = reinterpret_cast<const uint16_t*>((*packed)[1].data_ptr<at::BFloat16>());
+  } else {  // every element is written by pack_tile: no zero fill (new[] leaves them uninitialised)
+    kown.reset(new uint16_t[hkv * padded * d]);
+    vown.reset(new uint16_t[hkv * padded * d]);
+    pack_heads(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), hkv, d,
+               kv_index.data_ptr<int64_t>(), s, padded, kown.get(), vown.get());
+    kpack = kown.get();
+    vpack = vown.get();
+  }
   const float* qf = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
@@ -215,8 +268,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     std::vector<float> acc(kRows * d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / blocks, r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
-      const uint16_t* kp = kpack.get() + kvh * padded * d;
-      const uint16_t* vp = vpack.get() + kvh * padded * d;
+      const uint16_t* kp = kpack + kvh * padded * d;
+      const uint16_t* vp = vpack + kvh * padded * d;
       int64_t max_len = 0;
       std::fill(qp.begin(), qp.end(), 0u);
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g

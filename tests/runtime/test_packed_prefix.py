@@ -1,0 +1,111 @@
+"""A cascade group's shared prefix packed once and reused over the group's steps (bf16 pools, AVX512_BF16).
+
+What it promises: the kernel's result with a kept pack is the result of packing afresh; a pack is reused only
+under the same key, and the key changes whenever the allocator frees a page (the only way a cached slot's KV
+can be rewritten), so a changed prefix is never read through a stale pack.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radix.allocator import PagedAllocator
+from radix.kv_storage import KVShape, KVStorage
+from runtime.attention.base import AttentionShape
+from runtime.attention.torch_native import TorchNativeBackend
+from runtime.core.forward_batch import ForwardBatch, build_forward_batch
+from runtime.kernels.build import load_kernels
+
+KERNELS = load_kernels("fastcpu")
+requires_bf16_dot = pytest.mark.skipif(not KERNELS.bf16_dot(),
+                                       reason="extend_attention is built only for CPUs with AVX512_BF16")
+SHAPE = AttentionShape(9, 3, 64)
+
+
+def test_free_epoch_moves_on_every_free_and_reset_only():
+    alloc = PagedAllocator(64, page_size=4)
+    start = alloc.free_epoch
+    slots = alloc.alloc(10)
+    assert alloc.free_epoch == start  # handing out pages rewrites nothing that is in use
+    alloc.free(slots[:4])
+    assert alloc.free_epoch == start + 1
+    alloc.free(slots[4:])
+    alloc.reset()
+    assert alloc.free_epoch == start + 3
+
+
+@requires_bf16_dot
+def test_extend_attention_with_a_kept_pack_equals_packing_afresh():
+    g = torch.Generator().manual_seed(2)
+    hkv, d = 3, 64
+    k_pool = torch.randn(600, hkv * d, generator=g).bfloat16()
+    v_pool = torch.randn(600, hkv * d, generator=g).bfloat16()
+    index = torch.randperm(599, generator=g)[:333] + 1
+    q = torch.randn(8, 9, d, generator=g).bfloat16()
+    lengths = torch.full((8,), 333)
+    packed = KERNELS.pack_prefix(k_pool, v_pool, index, hkv, d)
+    assert [tuple(t.shape) for t in packed] == [(hkv, 352, d)] * 2  # 333 keys padded to a multiple of 32
+    fresh = KERNELS.extend_attention(q, k_pool, v_pool, index, lengths, d**-0.5, hkv)
+    kept = KERNELS.extend_attention(q, k_pool, v_pool, index, lengths, d**-0.5, hkv, packed)
+    assert torch.equal(fresh[0], kept[0]) and torch.equal(fresh[1], kept[1])
+    with pytest.raises(RuntimeError, match="pack_prefix's for these slots"):
+        KERNELS.extend_attention(q, k_pool, v_pool, index[:300], torch.full((8,), 300), d**-0.5, hkv, packed)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        KERNELS.pack_prefix(k_pool, v_pool, torch.tensor([1, 2, 600]), hkv, d)
+
+
+def group_batch(kv: KVStorage, prefix: int, own: list[int], epoch: int | None) -> ForwardBatch:
+    """Decode rows of ``len(own)`` requests over one contiguous cached prefix (slots 1 .. prefix), request i
+    with ``own[i]`` tokens of its own after it (the last one new)."""
+    table = torch.zeros(len(own), prefix + max(own) + 1, dtype=torch.int64)
+    nxt = prefix + 1
+    for i, n in enumerate(own):
+        table[i, :prefix] = torch.arange(1, prefix + 1)
+        table[i, prefix : prefix + n] = torch.arange(nxt, nxt + n)
+        nxt += n
+    lens = [prefix + n for n in own]
+    out_loc = torch.stack([table[i, n - 1] for i, n in enumerate(lens)])
+    batch = build_forward_batch([[1]] * len(own), [n - 1 for n in lens], list(range(len(own))), out_loc, kv, table)
+    batch.kv_epoch = epoch
+    return batch
+
+
+@requires_bf16_dot
+def test_backend_reuses_the_pack_while_the_key_holds_and_repacks_when_it_changes():
+    g = torch.Generator().manual_seed(5)
+    kv = KVStorage(KVShape(2, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 2048)
+    kv.k_buffer.normal_(generator=g)
+    kv.v_buffer.normal_(generator=g)
+    fast, gather = TorchNativeBackend(SHAPE), TorchNativeBackend(SHAPE, in_place_decode=False)
+    assert fast.paged is not None
+    q = torch.randn(4, 9, 64, generator=g).bfloat16()
+    k_new = torch.randn(4, 3, 64, generator=g).bfloat16()
+    v_new = torch.randn(4, 3, 64, generator=g).bfloat16()
+
+    def run(backend: TorchNativeBackend, epoch: int | None, layer: int = 1) -> torch.Tensor:
+        batch = group_batch(kv, 700, [3, 9, 20, 5], epoch)
+        backend.plan(batch)
+        [part] = batch.attn_metadata.cascade.shared
+        assert part.reuse_key == (None if epoch is None else (epoch, 1, 700))
+        return backend.forward(q, k_new, v_new, layer, batch)
+
+    first = run(fast, epoch=7)
+    where = (1, kv.k(1).data_ptr())
+    kept = fast.paged.kept((7, 1, 700))
+    assert list(kept) == [where]
+    again = run(fast, epoch=7)
+    assert fast.paged.kept((7, 1, 700))[where] is kept[where]  # reused, not packed again
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first.float(), run(gather, epoch=7).float(), rtol=2e-2, atol=2e-2)
+
+    # the prefix's KV changes (its pages were freed and written again): the epoch moved, so it is repacked
+    kv.k_buffer[1, 1:701] = -kv.k_buffer[1, 1:701]
+    changed = run(fast, epoch=8)
+    assert fast.paged.kept_keys == {(8, 1, 700)}  # the old key's packs were dropped at planning
+    torch.testing.assert_close(changed.float(), run(gather, epoch=8).float(), rtol=2e-2, atol=2e-2)
+    assert not torch.allclose(changed.float(), first.float(), atol=1e-2)
+
+    # a group without a key (no epoch known) keeps nothing, and what was kept under other keys is dropped
+    run(fast, epoch=None)
+    assert fast.paged.kept_keys == set()
