@@ -245,54 +245,6 @@ def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
         assert ((res.double() - expected).abs() <= 2e-6 * size + 1e-6).all(), m
 
 
-def extend_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, n: int, scale: float):
-    """One query head over its first ``n`` keys as extend_attention computes it: bf16 query, fp32 scores and
-    softmax, the probabilities rounded to bf16 for the value sum (float64 elsewhere). Returns (out, lse)."""
-    s = (keys[:n].double() @ q.bfloat16().double()) * scale
-    p = torch.exp(s - s.max())
-    out = (p.float().bfloat16().double() @ vals[:n].double()) / p.sum()
-    return out, s.max() + torch.log(p.sum())
-
-
-@requires_bf16_dot
-@pytest.mark.parametrize(("tokens", "kv_heads", "group", "dim", "prefix"),
-                         [(16, 3, 3, 64, 1000), (37, 3, 3, 64, 5), (20, 2, 4, 128, 300), (70, 1, 1, 64, 0)])
-def test_extend_attention_equals_the_softmax_of_its_bf16_operands(k, tokens, kv_heads, group, dim, prefix):
-    """A chunk of new tokens over a cached prefix (token i sees prefix + i + 1 slots, scattered in the pool):
-    every query head of every token equals the reference of what the kernel promises (bf16 operands, fp32
-    scores and sums, bf16 probabilities) up to fp32 rounding. Row counts not a multiple of the row block, key
-    counts not a multiple of the tile, both head dims."""
-    g = torch.Generator().manual_seed(tokens * dim + prefix)
-    pool = 4000
-    k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, torch.bfloat16)
-    index = torch.randperm(pool, generator=g)[: prefix + tokens]
-    lengths = torch.arange(prefix + 1, prefix + tokens + 1)
-    q = torch.randn(tokens, kv_heads * group, dim, generator=g)
-    out, lse = k.extend_attention(q, k_pool, v_pool, index, lengths, dim**-0.5, kv_heads)
-    keys = k_pool[index].float().view(-1, kv_heads, dim)
-    vals = v_pool[index].float().view(-1, kv_heads, dim)
-    for t in range(tokens):
-        for h in range(kv_heads * group):
-            ref, ref_lse = extend_reference(q[t, h], keys[:, h // group], vals[:, h // group], int(lengths[t]),
-                                            dim**-0.5)
-            assert (out[t, h].double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), (t, h)
-            assert abs(float(lse[t, h]) - float(ref_lse)) <= 1e-4, (t, h)
-
-
-def test_gemm_kernel_is_chosen_by_chunk_length_and_pool_dtype():
-    """Chunks of GEMM_EXTEND_MIN or more tokens over a bf16 pool take extend_attention where it is built;
-    shorter ones (verified drafts) and fp32 pools stay on the decode kernel."""
-    from runtime.attention.paged_decode import GEMM_EXTEND_MIN
-
-    paged = TorchNativeBackend(AttentionShape(9, 3, 64)).paged
-    assert paged is not None
-    assert paged.gemm(GEMM_EXTEND_MIN, torch.bfloat16) == load_kernels("fastcpu").bf16_dot()
-    assert not paged.gemm(GEMM_EXTEND_MIN - 1, torch.bfloat16)
-    assert not paged.gemm(500, torch.float32)
-    assert paged.gemm_shared(torch.bfloat16) == load_kernels("fastcpu").bf16_dot()
-    assert not paged.gemm_shared(torch.float32)
-
-
 @requires_bf16_dot
 @pytest.mark.parametrize(("lens", "shared", "extend"), [([850], 0, 150), ([520, 530, 540], 500, 20),
                                                        ([1000, 1010, 1020, 1030], 990, 1)])
