@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from runtime.attention.base import AttentionShape
+from runtime.kernels import kernel_input
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class PagedDecodeKernel:
         """q ``[T, H, D]``; pools ``[slots, Hkv * D]``; token t attends ``kv_index[row_index[t], :lengths[t]]``
         (``row_index`` None: row t; entries past a length are never read). Returns ``(out [T, H, D] in q's
         dtype, lse [T, H] fp32)``."""
-        out, lse = self.kernels.decode_attention(_kernel_dtype(q), k_pool, v_pool, kv_index, row_index, lengths,
+        out, lse = self.kernels.decode_attention(kernel_input(q), k_pool, v_pool, kv_index, row_index, lengths,
                                                  self.shape.scale, self.shape.num_kv_heads)
         return out, lse
 
@@ -135,15 +136,9 @@ class PagedDecodeKernel:
 
     def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               lengths: torch.Tensor, packed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = self.kernels.extend_attention(_kernel_dtype(q), k_pool, v_pool, kv_index.reshape(-1), lengths,
+        out, lse = self.kernels.extend_attention(kernel_input(q), k_pool, v_pool, kv_index.reshape(-1), lengths,
                                                  self.shape.scale, self.shape.num_kv_heads, packed)
         return out, lse
-
-
-def _kernel_dtype(q: torch.Tensor) -> torch.Tensor:
-    """q as the kernels take it: float32 or bfloat16 as it is (they widen it themselves, cheaper than a torch
-    conversion from Python), anything else converted to float32."""
-    return q if q.dtype in (torch.float32, torch.bfloat16) else q.float()
 
 
 def supported(shape: AttentionShape, dtype: torch.dtype | None = None) -> bool:

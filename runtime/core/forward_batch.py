@@ -65,6 +65,7 @@ def build_forward_batch(
     kv: KVStorage,
     req_to_token: torch.Tensor,
     device: str | torch.device = "cpu",
+    kv_epoch: int | None = None,
 ) -> ForwardBatch:
     """Assemble a batch from per-request new tokens, prefix lengths and table rows.
 
@@ -94,4 +95,5 @@ def build_forward_batch(
         extend_lens_cpu=extend,
         kv=kv,
         req_to_token=req_to_token,
+        kv_epoch=kv_epoch,
     )

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.config import cpu_flags
+from runtime.kernels import KERNEL_DTYPES, kernel_input
 from runtime.models.layers import apply_rotary, rms_norm
 from runtime.models.packed import PackedWeight, pack_weight, unpack_weight
 
@@ -126,8 +127,6 @@ BF16_DOT_SMALL_M = 32
 # (weight-only int8: +0.6% / 61%). Blocks of 32 cost ~1% more time than whole rows at 1 row, ~8% at 8.
 INT8_ACT_BLOCK = 32
 INT8_KERNELS = ("vnni", "float")
-# Activation dtypes the packed kernels take and give as they are (others are converted to float32 first).
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedCpuOps(TorchOps):
@@ -191,7 +190,7 @@ class PackedCpuOps(TorchOps):
         pw = self.packed.get(id(weight))
         if pw is None:
             return None
-        xk = x if x.dtype in KERNEL_DTYPES else x.float()
+        xk = kernel_input(x)
         b = bias.float() if bias is not None else None
         if pw.layout == "vnni":
             assert pw.scale is not None

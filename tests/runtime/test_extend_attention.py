@@ -116,9 +116,8 @@ def group_batch(kv: KVStorage, prefix: int, own: list[int], epoch: int | None) -
         nxt += n
     lens = [prefix + n for n in own]
     out_loc = torch.stack([table[i, n - 1] for i, n in enumerate(lens)])
-    batch = build_forward_batch([[1]] * len(own), [n - 1 for n in lens], list(range(len(own))), out_loc, kv, table)
-    batch.kv_epoch = epoch
-    return batch
+    return build_forward_batch([[1]] * len(own), [n - 1 for n in lens], list(range(len(own))), out_loc, kv, table,
+                               kv_epoch=epoch)
 
 
 @requires_bf16_dot
