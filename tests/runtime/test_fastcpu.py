@@ -46,8 +46,11 @@ def test_decode_attention_reads_the_pool_in_place(k, dtype):
         torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 
+# Queries in float32, and in bfloat16 as a bf16 model hands them over: over a bf16 pool those take the bf16
+# dot-product path where it is built (fastcpu_attention.cpp).
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
+def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype, q_dtype):
     # Speculative verification and continuous batching put a request's decode row in batches of any shape;
     # its result must not change by a bit (greedy outputs with speculation equal those without).
     g = torch.Generator().manual_seed(1)
@@ -57,7 +60,7 @@ def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
     index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)
     for b, n in enumerate(lengths.tolist()):
         index[b, :n] = torch.randperm(pool, generator=g)[:n]
-    q = torch.randn(len(lengths), heads, dim, generator=g)
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(q_dtype)
     out, lse = k.decode_attention(q, k_pool, v_pool, index, None, lengths, dim**-0.5, kv_heads)
     for b, n in enumerate(lengths.tolist()):
         alone, alone_lse = k.decode_attention(
@@ -66,8 +69,9 @@ def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype):
         assert torch.equal(alone[0], out[b]) and torch.equal(alone_lse[0], lse[b])
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype):
+def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype, q_dtype):
     # A verified draft (or a short prefill chunk) is several tokens reading one KV row; the kernel attends them
     # in one pass over the KV, and each token's result must be the bits it gets alone (speculation exact).
     g = torch.Generator().manual_seed(2)
@@ -78,17 +82,19 @@ def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype):
     # of row 1; three tokens of row 0 again, short
     rows = torch.tensor([0] * 7 + [1] + [0] * 3)
     lengths = torch.tensor([254, 255, 256, 257, 258, 259, 260, 900, 1, 2, 17])
-    q = torch.randn(len(rows), heads, dim, generator=g)
+    q = torch.randn(len(rows), heads, dim, generator=g).to(q_dtype)
     out, lse = k.decode_attention(q, k_pool, v_pool, index, rows, lengths, dim**-0.5, kv_heads)
+    # bf16 outputs: one rounding of the result, and over a bf16 pool the weights of the values in bf16 too
+    tol = 2e-5 if q_dtype == torch.float32 else 1e-2
     for t in range(len(rows)):
         alone, alone_lse = k.decode_attention(q[t : t + 1], k_pool, v_pool, index[rows[t] : rows[t] + 1], None,
                                               lengths[t : t + 1], dim**-0.5, kv_heads)
         assert torch.equal(alone[0], out[t]) and torch.equal(alone_lse[0], lse[t]), t
         keys = k_pool[index[rows[t], : lengths[t]]].float().view(-1, kv_heads, dim).repeat_interleave(3, 1)
         vals = v_pool[index[rows[t], : lengths[t]]].float().view(-1, kv_heads, dim).repeat_interleave(3, 1)
-        scores = torch.einsum("hd,nhd->hn", q[t], keys) * dim**-0.5
-        torch.testing.assert_close(out[t], torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), vals),
-                                   rtol=2e-5, atol=2e-5)
+        scores = torch.einsum("hd,nhd->hn", q[t].float(), keys) * dim**-0.5
+        torch.testing.assert_close(out[t].float(), torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), vals),
+                                   rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
