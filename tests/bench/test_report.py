@@ -80,6 +80,31 @@ def test_rendered_section_names_no_machine_paths() -> None:
     assert "the built-in generators (`runtime/bench/workloads.py`), `mine.jsonl`" in section
 
 
+@pytest.mark.parametrize(("flags", "goals"), [
+    ("", {"fewshot": "[≥ 5x: met]", "multiturn": "[≥ 5x: missed]"}),
+    (" --quantization none", {"fewshot": "[≥ 5x: met]", "multiturn": "[≥ 5x: missed]"}),
+    (" --quantization int8", {"fewshot": "[≥ 10x: missed]", "multiturn": None}),
+    (" --quantization=int8", {"fewshot": "[≥ 10x: missed]", "multiturn": None}),
+])
+def test_llamacpp_goals_follow_the_weight_format_served(flags: str, goals: dict[str, str | None]) -> None:
+    # The default format's goal is 5x on every workload, the opt-in formats' 10x on fewshot and agent only.
+    summary = _summary(radixserve={"status": "ok", "command": "python -m runtime.cli serve --port 1" + flags},
+                       llamacpp={"status": "ok", "command": "python -m llama_cpp.server"})
+    row = dict(summary["results"][0])
+    summary["results"] = [dict(row, system="radixserve", workload="fewshot", sequences_per_s=7.0),
+                          dict(row, system="llamacpp", workload="fewshot", sequences_per_s=1.0),
+                          dict(row, system="radixserve", workload="multiturn", sequences_per_s=4.0),
+                          dict(row, system="llamacpp", workload="multiturn", sequences_per_s=1.0)]
+    summary["workloads"]["multiturn"] = {"params": {}, "description": "m", "source": SOURCE}
+    section = render_section(summary, [])
+    ratios = section[section.index("### Ratios") : section.index("### Goals")]
+    for wl, goal in goals.items():
+        (line,) = [ln for ln in ratios.splitlines() if ln.startswith(f"| {wl} | ")]
+        assert (goal in line) if goal else ("[≥" not in line), line
+    fmt = "opt-in" if "int8" in flags else "default"
+    assert f"radixserve ({fmt} weight format) ≥ {5 if fmt == 'default' else 10}x llama.cpp server on fewshot" in section
+
+
 @pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
 def test_docs_hold_no_machine_paths(page: str) -> None:
     text = (REPO / page).read_text()
