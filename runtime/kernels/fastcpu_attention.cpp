@@ -130,8 +130,9 @@ inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
 // (vdpbf16ps: pairs of products summed in fp32) instead of widening every K and V element to fp32 first: the
 // scores over pairs of dims, the values over pairs of positions with the weights rounded to bf16, as the extend
 // kernel's. About a third fewer vector instructions per position, which is what bounds a decode step's
-// attention once its KV is in cache (30 layers, one 1k-token row: 1.04 -> 0.69 ms; 8 rows 7.1 -> 4.4 ms);
-// the error against float64 is 1.07-1.11x that of rounding the exact result to bf16 (the fp32 path's: 1.0x).
+// attention once its KV is in cache (30 layers, one 1k-token row: 1.04 -> 0.69 ms; 8 rows 7.1 -> 4.4 ms; read
+// from memory the kernel is bound by it and gains far less). Against float64 its mean error is 1.1-1.6x that of
+// rounding the exact result to bf16 (the fp32 path's: 1.0x); the tests bound it at 2x.
 template <int G, int NV>
 void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k_pool, const at::BFloat16* v_pool,
                        int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1,
@@ -308,8 +309,8 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   const std::vector<Segment> segs = segments(which, lens, b, group);
   const int64_t nseg = static_cast<int64_t>(segs.size());
   // A work item is one range of one segment, all KV heads in turn: the heads' values of a KV position are side
-  // by side in its slot, so the later heads find the range's slots in cache (a batch-1 step over a 1k-token
-  // context from memory: 1.56 -> 1.38 ms over 30 layers against one item per head).
+  // by side in its slot, so the later heads find the range's slots in cache (one measurement, a batch-1 step
+  // over a 1k-token context from memory: 1.56 -> 1.38 ms over 30 layers against one item per head).
   at::parallel_for(0, nseg * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(kMaxGroup * d), ms(kMaxGroup), ls(kMaxGroup), accs(kMaxGroup * d);
     int64_t hi[kMaxGroup];
