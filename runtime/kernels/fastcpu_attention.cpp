@@ -319,19 +319,18 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
       const Segment& seg = segs[item / splits];
       const int64_t j0 = std::min(seg.max_len, sp * kRange), j1 = std::min(seg.max_len, j0 + kRange);
       const int64_t heads = seg.count * group;
+      const int64_t* slots = idx + (which ? which[seg.first] : seg.first) * width;
+      const AttendFn<KV> attend = pick_attend<KV>(heads, d / 16, bf16_queries);
+      for (int64_t i = 0; i < seg.count; ++i)  // each token's length, for each of its query heads
+        for (int64_t g = 0; g < group; ++g) hi[i * group + g] = lens[seg.first + i];
       for (int64_t kvh = 0; kvh < hkv; ++kvh) {
         for (int64_t i = 0; i < seg.count; ++i) {  // this KV head's query heads of each token, side by side
-          const int64_t r = seg.first + i;
-          const float* qr = qp + (r * h + kvh * group) * d;
+          const float* qr = qp + ((seg.first + i) * h + kvh * group) * d;
           std::copy(qr, qr + group * d, qs.data() + i * group * d);
-          for (int64_t g = 0; g < group; ++g) hi[i * group + g] = lens[r];
         }
-        if (j0 < j1) {
-          const int64_t row = which ? which[seg.first] : seg.first;
-          pick_attend<KV>(heads, d / 16, bf16_queries)(qs.data(), heads, d, kp, vp, slot_stride, kvh * d,
-                                                       idx + row * width, j0, j1, static_cast<float>(scale), hi,
-                                                       ms.data(), ls.data(), accs.data());
-        }
+        if (j0 < j1)
+          attend(qs.data(), heads, d, kp, vp, slot_stride, kvh * d, slots, j0, j1, static_cast<float>(scale), hi,
+                 ms.data(), ls.data(), accs.data());
         for (int64_t i = 0; i < seg.count; ++i) {
           const int64_t r = seg.first + i, base = (r * splits + sp) * h + kvh * group;
           for (int64_t g = 0; g < group; ++g) {
