@@ -154,11 +154,16 @@ class TorchNativeBackend(AttentionBackend):
         q4 = q.reshape(e, hkv, g, d).permute(1, 2, 0, 3)
         return q4, k.unsqueeze(1).expand(hkv, g, s, d), v.unsqueeze(1).expand(hkv, g, s, d)
 
+    def _extend_in_place(self, tokens: int, dtype: torch.dtype) -> bool:
+        """Whether a prefill chunk of ``tokens`` new tokens reads the pool in place (``paged.extend``)."""
+        return self.paged is not None and (tokens <= IN_PLACE_EXTEND_MAX or self.paged.gemm(tokens, dtype))
+
     def _prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: PrefillChunk,
                  out: torch.Tensor) -> None:
         """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
         e, hkv, g, d = q.shape[0], self.shape.num_kv_heads, self.group, self.shape.head_dim
-        if self.paged is not None and (e <= IN_PLACE_EXTEND_MAX or self.paged.gemm(e, k_pool.dtype)):
+        if self._extend_in_place(e, k_pool.dtype):
+            assert self.paged is not None
             o_rows, _lse = self.paged.extend(q, k_pool, v_pool, chunk.kv_index, chunk.kv_index.numel() - e)
             out.copy_(o_rows)
             return
@@ -219,6 +224,13 @@ class TorchNativeBackend(AttentionBackend):
         hkv, g = self.shape.num_kv_heads, self.group
         for chunk in casc.prefills:
             e = chunk.end - chunk.start
+            if self._extend_in_place(e, k_pool.dtype):  # a question after its group's shared few-shot block
+                assert self.paged is not None
+                o_rows, lse_rows = self.paged.extend(q[chunk.start : chunk.end], k_pool, v_pool, chunk.kv_index,
+                                                     chunk.kv_index.numel() - e)
+                out[chunk.start : chunk.end].copy_(o_rows)
+                lse_out[chunk.start : chunk.end].copy_(lse_rows)
+                continue
             q4, k4, v4 = self._prefill_qkv(q[chunk.start : chunk.end], k_pool, v_pool, chunk)
             o, lse = attention_with_lse(q4, k4, v4, chunk.mask, chunk.mask is None, self.shape.scale)
             out[chunk.start : chunk.end].view(e, hkv, g, d).copy_(o.permute(2, 0, 1, 3))
