@@ -31,7 +31,8 @@ class PagedAllocator:
         self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
         self._is_free[0] = False
         self._offsets = torch.arange(page_size, dtype=torch.int64)
-        self._free_epoch = 0
+        # How often each page was freed (reset counts for all): see times_freed().
+        self._free_counts = torch.zeros(self.num_pages + 1, dtype=torch.int64)
         self.reset()
 
     # ------------------------------------------------------------------ sizes
@@ -53,16 +54,17 @@ class PagedAllocator:
         return -(-n_tokens // self.page_size)
 
     # ------------------------------------------------------------------ alloc / free
-    @property
-    def free_epoch(self) -> int:
-        """Changes whenever pages are freed (or all are, by :meth:`reset`). A slot's KV is rewritten only after
-        the slot was freed and handed out again, so while the epoch stays the same every allocated slot keeps
-        its content: what lets a kernel reuse work derived from a cached prefix's KV across steps."""
-        return self._free_epoch
+    def times_freed(self, slots: torch.Tensor) -> int:
+        """How often the pages under ``slots`` were freed, summed (a page counts once per slot on it).
+
+        A slot's KV is rewritten only after its page was freed and handed out again, and the counts only grow,
+        so two equal answers for the same slots mean their KV did not change in between: what lets a kernel
+        keep work derived from a cached prefix's KV across steps while other requests come and go."""
+        return int(self._free_counts[slots.to(torch.int64) // self.page_size].sum())
 
     def reset(self) -> None:
         """Everything free again (pages handed out before are forgotten, so only call it when idle)."""
-        self._free_epoch += 1
+        self._free_counts += 1
         # Popping from the end hands out low page numbers first, which keeps small pools easy to read.
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
         self._is_free[1:] = True
@@ -127,7 +129,7 @@ class PagedAllocator:
             raise DoubleFreeError(f"pages {pages[already].tolist()[:8]} are already free")
         self._is_free[pages] = True
         self._free_pages.extend(pages.tolist())
-        self._free_epoch += 1
+        self._free_counts[pages] += 1
 
     # ------------------------------------------------------------------ helpers
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:

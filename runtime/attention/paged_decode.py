@@ -115,9 +115,9 @@ class PagedDecodeKernel:
         lse [T, H] fp32)``.
 
         ``reuse``: a key under which this layer's packed prefix is kept for later calls with the same key — the
-        caller vouches that the slots and their KV are the same while the key is (the planner's key holds the
-        allocator's free epoch, see ``torch_native_plan``). Packing was half the kernel's time for a batch of
-        decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
+        caller vouches that the slots and their KV are the same while the key is (the planner's key is the slots
+        and how often their pages were freed, see ``torch_native_plan``). Packing was half the kernel's time for a
+        batch of decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
         packed = None
         if reuse is not None:
             layers = self._packed.setdefault(reuse, {})

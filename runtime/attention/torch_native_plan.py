@@ -49,9 +49,10 @@ class SharedPart:
     slots: torch.Tensor  # [P] pool slots of the prefix (what kernels reading the pool in place walk)
     kv_start: int | None = None  # set when the slots are the contiguous run kv_start .. + P - 1 (no gather)
     # Names this prefix's KV across batches (kernels may keep work derived from it under the key): the same key
-    # means the same slots holding the same KV — the allocator's free epoch is in it (``ForwardBatch.kv_epoch``).
-    # None: nothing is kept (the epoch is unknown, or the slots are scattered).
-    reuse_key: tuple[int, int, int] | None = None
+    # means the same slots holding the same KV — the key is the slots themselves and how often their pages were
+    # freed (``ForwardBatch.kv_history``), so requests coming and going elsewhere in the pool leave it unchanged.
+    # None: nothing is kept (the history is unknown, or the slots live on another device).
+    reuse_key: tuple[int, bytes] | None = None
 
 
 @dataclass
@@ -139,11 +140,13 @@ def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> 
     lead = int(batch.req_pool_indices[g.members[0]])
     index = batch.req_to_token[lead, : g.prefix_len]
     # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
+    key = None
+    if batch.kv_history is not None and index.device.type == "cpu":
+        key = (batch.kv_history.times_freed(index), index.numpy().tobytes())
     first = int(index[0])
     if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
-        key = None if batch.kv_epoch is None else (batch.kv_epoch, first, g.prefix_len)
         return SharedPart(start, end, g.prefix_len, index, first, key)
-    return SharedPart(start, end, g.prefix_len, index)
+    return SharedPart(start, end, g.prefix_len, index, None, key)
 
 def _decode_group(batch: ForwardBatch, members: Sequence[int] | None, skip: Sequence[int] | None,
                   dtype: torch.dtype, token_rows: Sequence[int] | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,6 +21,12 @@ from radix.kv_storage import KVStorage
 class ForwardMode(Enum):
     EXTEND = "extend"  # any mix of prefill chunks and single-token decodes
     DECODE = "decode"  # every request adds exactly one token
+
+
+class SlotHistory(Protocol):
+    """How often the pages under some KV slots were freed (``PagedAllocator.times_freed``)."""
+
+    def times_freed(self, slots: torch.Tensor) -> int: ...
 
 
 @dataclass
@@ -39,10 +45,10 @@ class ForwardBatch:
     kv: KVStorage
     req_to_token: torch.Tensor  # [max_requests, max_context] int64 (the table of ReqToTokenPool)
     attn_metadata: Any = None  # filled by AttentionBackend.plan()
-    # The KV allocator's free epoch when the batch was built (``PagedAllocator.free_epoch``): work derived from
-    # the KV of slots in the pool before this step stays valid across batches with the same epoch. None: the
-    # builder does not know it (kernels then keep nothing across batches).
-    kv_epoch: int | None = None
+    # What the KV allocator knows of the pool's history (``PagedAllocator``): work derived from the KV of slots
+    # stays valid across batches while ``times_freed`` of those slots is unchanged. None: the builder does not
+    # know it (kernels then keep nothing across batches).
+    kv_history: SlotHistory | None = None
 
     @property
     def batch_size(self) -> int:
@@ -65,7 +71,7 @@ def build_forward_batch(
     kv: KVStorage,
     req_to_token: torch.Tensor,
     device: str | torch.device = "cpu",
-    kv_epoch: int | None = None,
+    kv_history: SlotHistory | None = None,
 ) -> ForwardBatch:
     """Assemble a batch from per-request new tokens, prefix lengths and table rows.
 
@@ -95,5 +101,5 @@ def build_forward_batch(
         extend_lens_cpu=extend,
         kv=kv,
         req_to_token=req_to_token,
-        kv_epoch=kv_epoch,
+        kv_history=kv_history,
     )

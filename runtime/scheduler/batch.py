@@ -84,7 +84,7 @@ def build_step(plans: list[PrefillPlan], runner: ModelRunner, ahead: frozenset[i
     table = runner.req_to_token.table
     out_cache_loc = table[torch.tensor(token_rows), torch.tensor(token_pos)]
     fb = build_forward_batch(input_ids, prefix_lens, rows, out_cache_loc, runner.kv, table, runner.device,
-                             runner.allocator.free_epoch)
+                             runner.allocator)
     return StepBatch(plans, fb, torch.tensor(logit_rows, dtype=torch.int64), sample_rows, prompt_rows,
                      fill_positions, fill_rows)
 

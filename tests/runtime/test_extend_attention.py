@@ -2,8 +2,8 @@
 takes it, and a cascade group's shared prefix packed once and reused over the group's steps.
 
 What the reuse promises: the kernel's result with a kept pack is the result of packing afresh; a pack is reused
-only under the same key, and the key changes whenever the allocator frees a page (the only way a cached slot's KV
-can be rewritten), so a changed prefix is never read through a stale pack.
+only under the same key, and the key changes whenever the allocator frees a page under the prefix (the only way a
+cached slot's KV can be rewritten), so a changed prefix is never read through a stale pack.
 """
 
 from __future__ import annotations
@@ -73,16 +73,19 @@ def test_gemm_kernel_is_chosen_by_chunk_length_and_pool_dtype():
     assert not paged.gemm_shared(torch.float32)
 
 
-def test_free_epoch_moves_on_every_free_and_reset_only():
+def test_times_freed_moves_only_when_a_page_under_the_slots_is_freed():
     alloc = PagedAllocator(64, page_size=4)
-    start = alloc.free_epoch
-    slots = alloc.alloc(10)
-    assert alloc.free_epoch == start  # handing out pages rewrites nothing that is in use
-    alloc.free(slots[:4])
-    assert alloc.free_epoch == start + 1
-    alloc.free(slots[4:])
+    mine, other = alloc.alloc(10), alloc.alloc(6)
+    start = alloc.times_freed(mine)
+    alloc.alloc(3)
+    assert alloc.times_freed(mine) == start  # handing out pages rewrites nothing that is in use
+    alloc.free(other)
+    assert alloc.times_freed(mine) == start  # other requests' pages come and go: these slots' KV stays
+    alloc.free(mine[4:8])  # one of the three pages
+    assert alloc.times_freed(mine) > start
+    moved = alloc.times_freed(mine)
     alloc.reset()
-    assert alloc.free_epoch == start + 3
+    assert alloc.times_freed(mine) > moved
 
 
 @requires_bf16_dot
@@ -105,56 +108,72 @@ def test_extend_attention_with_a_kept_pack_equals_packing_afresh():
         KERNELS.pack_prefix(k_pool, v_pool, torch.tensor([1, 2, 600]), hkv, d)
 
 
-def group_batch(kv: KVStorage, prefix: int, own: list[int], epoch: int | None) -> ForwardBatch:
-    """Decode rows of ``len(own)`` requests over one contiguous cached prefix (slots 1 .. prefix), request i
-    with ``own[i]`` tokens of its own after it (the last one new)."""
-    table = torch.zeros(len(own), prefix + max(own) + 1, dtype=torch.int64)
-    nxt = prefix + 1
+def group_batch(kv: KVStorage, prefix: torch.Tensor, own: list[int], history: PagedAllocator | None) -> ForwardBatch:
+    """Decode rows of ``len(own)`` requests over one cached prefix (the slots ``prefix``), request i with
+    ``own[i]`` tokens of its own after it (the last one new), in slots after the prefix's largest."""
+    p = prefix.numel()
+    table = torch.zeros(len(own), p + max(own) + 1, dtype=torch.int64)
+    nxt = int(prefix.max()) + 1
     for i, n in enumerate(own):
-        table[i, :prefix] = torch.arange(1, prefix + 1)
-        table[i, prefix : prefix + n] = torch.arange(nxt, nxt + n)
+        table[i, :p] = prefix
+        table[i, p : p + n] = torch.arange(nxt, nxt + n)
         nxt += n
-    lens = [prefix + n for n in own]
+    lens = [p + n for n in own]
     out_loc = torch.stack([table[i, n - 1] for i, n in enumerate(lens)])
     return build_forward_batch([[1]] * len(own), [n - 1 for n in lens], list(range(len(own))), out_loc, kv, table,
-                               kv_epoch=epoch)
+                               kv_history=history)
 
 
 @requires_bf16_dot
-def test_backend_reuses_the_pack_while_the_key_holds_and_repacks_when_it_changes():
+@pytest.mark.parametrize("scattered", [False, True])
+def test_backend_reuses_the_pack_while_the_prefix_is_untouched_and_repacks_when_its_pages_are_freed(scattered):
+    """The pack of a group's prefix is kept while no page under it is freed — other requests' pages may come and
+    go — whether the prefix sits in consecutive slots or is scattered over the pool; freeing one of its pages
+    (after which its KV may be rewritten) makes the next batch pack it afresh."""
     g = torch.Generator().manual_seed(5)
     kv = KVStorage(KVShape(2, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 2048)
     kv.k_buffer.normal_(generator=g)
     kv.v_buffer.normal_(generator=g)
+    alloc = PagedAllocator(1023, page_size=2)  # the pool's 2048 slots
+    prefix = alloc.alloc(700)
+    if scattered:
+        prefix = prefix[torch.randperm(700, generator=g)]
     fast, gather = TorchNativeBackend(SHAPE), TorchNativeBackend(SHAPE, in_place_decode=False)
     assert fast.paged is not None
     q = torch.randn(4, 9, 64, generator=g).bfloat16()
     k_new = torch.randn(4, 3, 64, generator=g).bfloat16()
     v_new = torch.randn(4, 3, 64, generator=g).bfloat16()
 
-    def run(backend: TorchNativeBackend, epoch: int | None, layer: int = 1) -> torch.Tensor:
-        batch = group_batch(kv, 700, [3, 9, 20, 5], epoch)
+    def run(backend: TorchNativeBackend, history: PagedAllocator | None, layer: int = 1):
+        batch = group_batch(kv, prefix, [3, 9, 20, 5], history)
         backend.plan(batch)
         [part] = batch.attn_metadata.cascade.shared
-        assert part.reuse_key == (None if epoch is None else (epoch, 1, 700))
-        return backend.forward(q, k_new, v_new, layer, batch)
+        assert (part.kv_start is not None) == (not scattered)
+        key = None if history is None else (history.times_freed(prefix), prefix.numpy().tobytes())
+        assert part.reuse_key == key
+        return backend.forward(q, k_new, v_new, layer, batch), key
 
-    first = run(fast, epoch=7)
+    first, key = run(fast, alloc)
     where = (1, kv.k(1).data_ptr())
-    kept = fast.paged.kept((7, 1, 700))
+    kept = fast.paged.kept(key)
     assert list(kept) == [where]
-    again = run(fast, epoch=7)
-    assert fast.paged.kept((7, 1, 700))[where] is kept[where]  # reused, not packed again
+    again, same = run(fast, alloc)
+    assert same == key and fast.paged.kept(key)[where] is kept[where]  # reused, not packed again
     assert torch.equal(first, again)
-    torch.testing.assert_close(first.float(), run(gather, epoch=7).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(first.float(), run(gather, alloc)[0].float(), rtol=2e-2, atol=2e-2)
 
-    # the prefix's KV changes (its pages were freed and written again): the epoch moved, so it is repacked
-    kv.k_buffer[1, 1:701] = -kv.k_buffer[1, 1:701]
-    changed = run(fast, epoch=8)
-    assert fast.paged.kept_keys == {(8, 1, 700)}  # the old key's packs were dropped at planning
-    torch.testing.assert_close(changed.float(), run(gather, epoch=8).float(), rtol=2e-2, atol=2e-2)
+    alloc.free(alloc.alloc(40))  # another request's pages
+    _, still = run(fast, alloc)
+    assert still == key and fast.paged.kept(key)[where] is kept[where]
+
+    # one page of the prefix is freed and its KV written again: a new key, so the prefix is repacked
+    alloc.free(prefix[:2].sort().values)
+    kv.k_buffer[1, prefix] = -kv.k_buffer[1, prefix]
+    changed, new_key = run(fast, alloc)
+    assert new_key != key and fast.paged.kept_keys == {new_key}  # the old key's packs were dropped at planning
+    torch.testing.assert_close(changed.float(), run(gather, alloc)[0].float(), rtol=2e-2, atol=2e-2)
     assert not torch.allclose(changed.float(), first.float(), atol=1e-2)
 
-    # a group without a key (no epoch known) keeps nothing, and what was kept under other keys is dropped
-    run(fast, epoch=None)
+    # a group without a key (no history known) keeps nothing, and what was kept under other keys is dropped
+    run(fast, None)
     assert fast.paged.kept_keys == set()
