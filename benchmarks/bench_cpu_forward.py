@@ -4,7 +4,8 @@ For float32, bfloat16 and int8 (weight-only) weights, on the default model:
 
 - the weight-streaming floor of a decode step (bytes of weights read / streaming bandwidth measured now);
 - decode step ms at batch 1, 8 and 32 over ~1k-token contexts (whole scheduler steps) and the ratio to
-  the floor; at batch 1 where the step goes: linear layers, attention, everything else (Python, small ops);
+  the floor; at batch 1 where the step goes: linear layers, attention, everything else (Python, small ops),
+  the latter layer by layer and with the native decode stack;
 - prefill tokens/s of one 1,024-token prompt.
 
 Then transformers (fp32, the same weights): one padded batch of 32 decoding over the same contexts
@@ -117,17 +118,26 @@ def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float)
             ms, _ = decode_step_ms(eng, b, lambda ps=prompts, spb=spb: eng.generate(input_ids=ps, sampling_params=spb))
             out[f"decode_b{b}_ms"] = ms
             out[f"decode_b{b}_over_floor"] = ms / out["floor_ms"]
-        # where a batch-1 step goes (a separate pass: the timers cost a little themselves)
+        # where a batch-1 step goes (a separate pass: the timers cost a little themselves). The timers wrap the
+        # Python calls of the layer-by-layer path, so the native decode stack is set aside for this pass: "other"
+        # is what that path spends besides the kernels, "other_stack" what is left of it with the stack (the
+        # step measured above less the same kernels' time).
         eng.flush_cache()
         prompts = [[rng.randrange(3, 49000) for _ in range(context)]]
+        stack = eng.inspect(lambda s: s.runner.model.decode_stack)
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
         timers = eng.inspect(lambda s: Timers(s.runner.model))
         steps = 24
         ms, _ = decode_step_ms(eng, 1, lambda: eng.generate(input_ids=prompts, sampling_params={
             **sp, "max_new_tokens": steps}))
         eng.inspect(lambda s: timers.close())
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", stack))
         forwards = timers.attention_calls / timers.layers
         per_step = {k: 1e3 * v / forwards for k, v in timers.totals.items()}
-        out["b1_breakdown_ms"] = {**per_step, "other": max(0.0, ms - sum(per_step.values())), "step": ms}
+        kernels = sum(per_step.values())
+        out["b1_breakdown_ms"] = {**per_step, "other": max(0.0, ms - kernels), "step": ms,
+                                  "decode_stack": stack is not None,
+                                  "other_stack": max(0.0, out["decode_b1_ms"] - kernels) if 1 in batches else None}
     finally:
         eng.shutdown()
     return out

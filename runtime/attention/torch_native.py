@@ -83,6 +83,17 @@ class TorchNativeBackend(AttentionBackend):
             casc = batch.attn_metadata.cascade
             self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())
 
+    def decode_in_place(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a planned batch of decode rows only (no prefill chunk, no cascade group) whose rows read the pool in
+        place: the kernel's ``(kv_index [B, L], lengths [B])``, as :meth:`forward` passes them; else None."""
+        meta = batch.attn_metadata
+        if self.paged is None or not isinstance(meta, TorchNativeMetadata) or meta.cascade is not None:
+            return None
+        dec = meta.decode
+        if meta.prefills or dec is None or dec.token_rows is not None or dec.lengths is None:
+            return None
+        return dec.kv_index.view(dec.batch_size, -1), dec.lengths
+
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:

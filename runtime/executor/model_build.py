@@ -16,6 +16,7 @@ from radix.kv_storage import KVShape
 from runtime.attention import make_attention_backend
 from runtime.attention.base import AttentionBackend
 from runtime.config import ServerArgs
+from runtime.models.decode_stack import DecodeStack
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.loader import load_config, load_model, resolve_model_path
 from runtime.models.ops import cpu_weight_format, make_ops
@@ -64,6 +65,7 @@ def build_model(args: ServerArgs, source: ModelSource, device: torch.device,
     else:
         model, _ = load_model(source.model_path, args.torch_dtype, device, backend, ops, tp)
     model.ops.prepare(model)
+    model.decode_stack = DecodeStack.build(model)
     return model, backend
 
 

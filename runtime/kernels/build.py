@@ -36,7 +36,7 @@ CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CF
 # The translation units of each kernel set (headers beside them are part of every set's build key).
 SOURCES = {"invariant": ["invariant.cpp"],
            "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp", "fastcpu_bf16.cpp",
-                       "fastcpu_extend.cpp"]}
+                       "fastcpu_extend.cpp", "fastcpu_decoder.cpp"]}
 
 
 class KernelBuildError(RuntimeError):

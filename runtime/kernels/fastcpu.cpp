@@ -22,9 +22,13 @@
 // extend_attention (fastcpu_extend.cpp): a prefill chunk over a cached prefix, or a cascade group's rows
 //   against its shared prefix, as two small bf16 GEMMs per block of query rows; built with linear_bf16.
 //
+// DecodeStack (fastcpu_decoder.cpp): every decoder layer of a decode batch in one call from Python, the same
+//   kernels in the same order as the layer-by-layer path.
+//
 // Built with -O3 -march=native; 16-float GCC vector extensions compile to AVX-512 where the host has it and
 // to pairs of AVX2 instructions elsewhere. Unlike invariant.cpp, nothing here promises batch invariance.
 
+#include "fastcpu_ops.h"
 #include "fastcpu_vec.h"
 
 namespace {
@@ -175,11 +179,6 @@ void dispatch_float(const torch::Tensor& t, F&& f) {
 
 }  // namespace
 
-// In fastcpu_attention.cpp.
-std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                            torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
-                                            torch::Tensor lengths, double scale, int64_t num_kv_heads);
-
 // y = x @ W.T (* scale) (+ bias), W packed by runtime/models/packed.py as [ceil(N/64), K, 64] (float32, bfloat16
 // or int8 with a per-output scale); x float32 or bfloat16, y in x's dtype. With ``out`` given, the result is added
 // into it in place (a residual; fastcpu::LinearOutput).
@@ -286,23 +285,6 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
   });
 }
 
-// In fastcpu_int8.cpp.
-bool int8_vnni();
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
-                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);
-
-// In fastcpu_bf16.cpp.
-bool bf16_dot();
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> out);
-
-// In fastcpu_extend.cpp.
-std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
-                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed);
-std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
-                                       int64_t num_kv_heads, int64_t head_dim);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over paged KV read in place; (out, lse)");
   m.def("store_kv", &store_kv, "new tokens' K and V rows into their pool slots");
@@ -319,4 +301,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_kv_heads"), py::arg("packed") = py::none());
   m.def("pack_prefix", &pack_prefix, "one layer's KV of a slot row packed for extend_attention; (K, V)");
   m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
+  bind_decoder(m);
 }

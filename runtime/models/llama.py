@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from runtime.models.errors import ModelLoadError
 from runtime.models.layers import RotaryCache, rope_parameters
 from runtime.models.ops import ModelOps, TorchOps
 from runtime.models.tp_plan import TPContext, fused_pieces, hf_pieces, take
+
+if TYPE_CHECKING:
+    from runtime.models.decode_stack import DecodeStack
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryCache(arch.head_dim, arch.max_positions, arch.rope, dtype, device)
         # Plain list for the hot loop: iterating a ModuleList goes through __getitem__/__iter__ machinery.
         self._layer_list: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        # The layers of the decode batches it takes in one native call (decode_stack.py; set once the weights are
+        # packed); the others run layer by layer.
+        self.decode_stack: DecodeStack | None = None
 
     @classmethod
     def arch_from_config(cls, config: Any) -> LlamaArch:
@@ -256,8 +262,9 @@ class LlamaForCausalLM(nn.Module):
             self.attn_backend.plan(batch)
         cos, sin = self.rotary.lookup(batch.positions, max(batch.seq_lens_cpu, default=0))
         residual = self._embed(batch.input_ids)
-        for layer in self._layer_list:
-            layer.run(residual, cos, sin, batch, self.attn_backend, self.ops)
+        if self.decode_stack is None or not self.decode_stack.run(residual, cos, sin, batch):
+            for layer in self._layer_list:
+                layer.run(residual, cos, sin, batch, self.attn_backend, self.ops)
         return self.ops.rms_norm(residual, self.norm, self.arch.rms_norm_eps)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -270,6 +277,10 @@ class LlamaForCausalLM(nn.Module):
         rows = F.embedding((ids - v0).clamp_(0, v1 - v0 - 1), self.embed_tokens)
         rows.masked_fill_(outside.unsqueeze(1), 0.0)
         return self.tp.comm.all_reduce_(rows)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """The decoder layers in order (a copy of the list; the layers themselves are the model's)."""
+        return list(self._layer_list)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """The weights of every linear layer of the decoder (not the output projection)."""

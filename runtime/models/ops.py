@@ -178,6 +178,18 @@ class PackedCpuOps(TorchOps):
             if release:
                 w.data = w.data.new_empty(0)
 
+    def runs_packed(self, rows: int) -> bool:
+        """Whether a linear layer over ``rows`` activation rows runs the packed kernel (not a library GEMM)."""
+        return self.vnni or rows <= self.small_m
+
+    def packed_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        """``weight`` packed, with its kernel, as the native decode stack takes it (None: no packed copy)."""
+        pw = self.packed.get(id(weight))
+        if pw is None:
+            return None
+        return self.k.PackedLinear(pw.layout, pw.data, pw.out_features, pw.scale,
+                                   bias.float() if bias is not None else None, self.act_block)
+
     @property
     def packed_bytes(self) -> int:
         return sum(p.nbytes for p in self.packed.values())
@@ -196,8 +208,8 @@ class PackedCpuOps(TorchOps):
             assert pw.scale is not None
             return self.k.linear_int8(xk, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
         if pw.layout == "bf16pair":
-            return self.k.linear_bf16(xk, pw.data, pw.out_features, b, out) if x.shape[0] <= self.small_m else None
-        if x.shape[0] <= self.small_m:
+            return self.k.linear_bf16(xk, pw.data, pw.out_features, b, out) if self.runs_packed(x.shape[0]) else None
+        if self.runs_packed(x.shape[0]):
             return self.k.linear_packed(xk, pw.data, pw.out_features, pw.scale, b, out)
         if self.weight_format != "int8":
             return None

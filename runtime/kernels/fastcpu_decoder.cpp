@@ -1,0 +1,120 @@
+// DecodeStack: every decoder layer of a decode batch (one new token per request, each request's KV read in place)
+// in one call from Python.
+//
+// Why: at batch 1 a layer's kernels take ~0.25 ms together, and the Python around them (ten kernel calls through
+// pybind, the checks that pick each kernel, the views between them) took ~30 us more per layer, ~1 ms of a ~9 ms
+// step over 30 layers. The stack calls the same kernels (fastcpu_ops.h) in the same order with the same
+// arguments as LlamaDecoderLayer.run through PackedCpuOps and the torch_native backend, so its result is the
+// layer-by-layer result bit for bit; runtime/models/decode_stack.py decides which batches it takes.
+
+#include "fastcpu_ops.h"
+
+#include <string>
+#include <utility>
+
+namespace {
+
+// One linear layer as PackedCpuOps packed it (runtime/models/packed.py) and the kernel for its layout.
+struct PackedLinear {
+  enum class Kernel { kPacked, kInt8, kBf16 };
+  Kernel kernel;
+  torch::Tensor data;
+  c10::optional<torch::Tensor> scale;  // per output row (int8)
+  c10::optional<torch::Tensor> bias;   // float32
+  int64_t n;
+  int64_t act_block;  // linear_int8's activation block
+
+  PackedLinear(const std::string& layout, torch::Tensor data_, int64_t n_, c10::optional<torch::Tensor> scale_,
+               c10::optional<torch::Tensor> bias_, int64_t act_block_)
+      : data(std::move(data_)), scale(std::move(scale_)), bias(std::move(bias_)), n(n_), act_block(act_block_) {
+    if (layout == "kmajor") {
+      kernel = Kernel::kPacked;
+    } else if (layout == "vnni") {
+      TORCH_CHECK(scale.has_value(), "vnni weights need their scales");
+      kernel = Kernel::kInt8;
+    } else {
+      TORCH_CHECK(layout == "bf16pair", "unknown packed layout ", layout);
+      kernel = Kernel::kBf16;
+    }
+  }
+
+  // x @ W.T (+ bias) in x's dtype, or added into `out` in place.
+  torch::Tensor run(const torch::Tensor& x, c10::optional<torch::Tensor> out) const {
+    switch (kernel) {
+      case Kernel::kInt8:
+        return linear_int8(x, data, n, *scale, bias, out, act_block);
+      case Kernel::kBf16:
+        return linear_bf16(x, data, n, bias, out);
+      default:
+        return linear_packed(x, data, n, scale, bias, out);
+    }
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  PackedLinear qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, PackedLinear qkv, PackedLinear o,
+                 PackedLinear gate_up, PackedLinear down) {
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                            std::move(gate_up), std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // residual [T, hidden] (updated in place); cos / sin_signed [T, D] in its dtype; slots [T] (where the new
+  // tokens' K and V go); kv_index [T, L] and lengths [T] (what each token attends); k_buffer / v_buffer
+  // [layers, slots, kv_heads, D] (KVStorage's).
+  void run(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slots,
+           torch::Tensor kv_index, torch::Tensor lengths, torch::Tensor k_buffer, torch::Tensor v_buffer) const {
+    TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == num_layers() && k_buffer.sizes() == v_buffer.sizes(),
+                "k_buffer / v_buffer must be [layers, slots, kv_heads, head_dim] for every layer of the stack");
+    const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;
+    const int64_t total_slots = k_buffer.size(1);
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& layer = layers_[i];
+      const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, kv_size});
+      const torch::Tensor v_pool = v_buffer.select(0, i).view({total_slots, kv_size});
+      torch::Tensor qkv = layer.qkv.run(rms_norm(residual, layer.input_norm, eps_), c10::nullopt);
+      // q and k heads side by side: one rotation for both
+      torch::Tensor qk =
+          rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, d_}), cos, sin_signed);
+      store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
+               qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
+      torch::Tensor attn = decode_attention(qk.narrow(1, 0, heads_), k_pool, v_pool, kv_index, c10::nullopt, lengths,
+                                            scale_, kv_heads_)[0];
+      layer.o.run(attn.view({t, q_size}), residual);
+      torch::Tensor gate_up = layer.gate_up.run(rms_norm(residual, layer.post_norm, eps_), c10::nullopt);
+      layer.down.run(silu_mul(gate_up), residual);
+    }
+  }
+
+ private:
+  int64_t heads_, kv_heads_, d_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void bind_decoder(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<PackedLinear>(m, "PackedLinear", "one packed linear layer and the kernel for its layout")
+      .def(py::init<const std::string&, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, int64_t>(),
+           py::arg("layout"), py::arg("data"), py::arg("n"), py::arg("scale"), py::arg("bias"), py::arg("act_block"));
+  py::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode batch in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      // the GIL is released while the layers run: other threads of the scheduler process keep going
+      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,40 @@
+// The fastcpu kernels as C++ functions (each defined in one fastcpu*.cpp, bound to Python in fastcpu.cpp), so the
+// decode stack (fastcpu_decoder.cpp) calls them directly instead of through Python.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// fastcpu.cpp
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> scale,
+                            c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed);
+void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
+
+// fastcpu_attention.cpp
+std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
+                                            torch::Tensor lengths, double scale, int64_t num_kv_heads);
+
+// fastcpu_int8.cpp
+bool int8_vnni();
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
+                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);
+
+// fastcpu_bf16.cpp
+bool bf16_dot();
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> out);
+
+// fastcpu_extend.cpp
+std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed);
+std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
+                                       int64_t num_kv_heads, int64_t head_dim);
+
+// fastcpu_decoder.cpp: binds DecodeStack into the module.
+void bind_decoder(pybind11::module& m);

@@ -1,0 +1,70 @@
+"""The native decode stack (runtime/models/decode_stack.py): every decoder layer of a decode batch in one call
+must give exactly the layer-by-layer path's result — same kernels, same order — in every weight format, and the
+batches it does not take must still run layer by layer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from runtime.engine import Engine
+from runtime.models.decode_stack import DecodeStack
+from tests.conftest import checked_engine
+
+pytestmark = pytest.mark.slow
+
+FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+
+
+class CountedStack:
+    """Stands in the model's ``decode_stack`` slot and counts the batches the real stack took."""
+
+    def __init__(self, stack: DecodeStack):
+        self.stack = stack
+        self.taken = 0
+        self.declined = 0
+
+    def run(self, *args: Any) -> bool:
+        took = self.stack.run(*args)
+        self.taken += took
+        self.declined += not took
+        return took
+
+
+def generate(eng: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list[Any]]]:
+    eng.flush_cache()
+    outs = eng.generate(input_ids=prompts, return_logprob=True, sampling_params={
+        "max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 49000) for _ in range(90)]
+    # one alone, then three sharing a prefix and a fourth of another length: batches of 1 and 4 decode rows,
+    # and the steps that admit them mix prefill chunks with decode rows (those the stack declines)
+    alone = [[rng.randrange(3, 49000) for _ in range(200)]]
+    batch = [shared + [rng.randrange(3, 49000) for _ in range(n)] for n in (5, 40, 77)] + [alone[0][:33]]
+    with checked_engine("default", max_total_tokens=8192, **FORMATS[fmt]) as eng:
+        stack = eng.inspect(lambda s: s.runner.model.decode_stack)
+        assert isinstance(stack, DecodeStack)
+        counted = CountedStack(stack)
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", counted))
+        with_stack = [generate(eng, alone), generate(eng, batch)]
+        assert counted.taken >= 2 * 11 - 2, "decode steps ran without the stack"
+        assert counted.declined > 0, "no mixed step reached the stack"
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
+        by_layer = [generate(eng, alone), generate(eng, batch)]
+    # logprobs equal as floats: the logits are the same bits
+    assert with_stack == by_layer
+
+
+def test_stack_is_not_built_where_layers_must_run_one_by_one(tiny_engine):
+    # the tiny model's 16-dim heads are below the kernels' 32-wide RoPE step
+    eng = tiny_engine()
+    assert eng.inspect(lambda s: s.runner.model.decode_stack) is None
+    out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 3, "temperature": 0})
+    assert len(out[0]["output_ids"]) == 3
