@@ -4,8 +4,8 @@ For float32, bfloat16 and int8 (weight-only) weights, on the default model:
 
 - the weight-streaming floor of a decode step (bytes of weights read / streaming bandwidth measured now);
 - decode step ms at batch 1, 8 and 32 over ~1k-token contexts (whole scheduler steps) and the ratio to
-  the floor; at batch 1 where the step goes: linear layers, attention, everything else (Python, small ops),
-  the latter layer by layer and with the native decode stack;
+  the floor; at batch 1 and 8 where the step goes: linear layers, attention, everything else (Python, small
+  ops), the latter layer by layer and with the native decode stack;
 - prefill tokens/s of one 1,024-token prompt.
 
 Then transformers (fp32, the same weights): one padded batch of 32 decoding over the same contexts
@@ -46,9 +46,11 @@ FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
 
 class Timers:
     """Wraps the model's linear ops and attention forward with accumulating timers (a profiling pass); only
-    single-row calls count, i.e. batch-1 decode steps (a prefill's rows come many at a time)."""
+    calls of ``rows`` rows count, i.e. the decode steps of that batch size (a prefill's rows come many at a
+    time, and the ramp-up and tail steps of a batch have fewer rows)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, rows: int):
+        self.rows = rows
         self.totals = {"linear": 0.0, "attention": 0.0}
         self.attention_calls = 0
         self.layers = model.arch.num_layers
@@ -66,7 +68,7 @@ class Timers:
             try:
                 return inner(*a, **kw)
             finally:
-                if rows == 1:
+                if rows == self.rows:
                     self.totals[bucket] += time.perf_counter() - t
                     self.attention_calls += bucket == "attention"
 
@@ -118,26 +120,26 @@ def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float)
             ms, _ = decode_step_ms(eng, b, lambda ps=prompts, spb=spb: eng.generate(input_ids=ps, sampling_params=spb))
             out[f"decode_b{b}_ms"] = ms
             out[f"decode_b{b}_over_floor"] = ms / out["floor_ms"]
-        # where a batch-1 step goes (a separate pass: the timers cost a little themselves). The timers wrap the
-        # Python calls of the layer-by-layer path, so the native decode stack is set aside for this pass: "other"
-        # is what that path spends besides the kernels, "other_stack" what is left of it with the stack (the
-        # step measured above less the same kernels' time).
-        eng.flush_cache()
-        prompts = [[rng.randrange(3, 49000) for _ in range(context)]]
+        # where a batch-1 and a batch-8 step go (separate passes: the timers cost a little themselves). The timers
+        # wrap the Python calls of the layer-by-layer path, so the native decode stack is set aside for them:
+        # "other" is what that path spends besides the kernels, "other_stack" what is left of it with the stack
+        # (the step measured above less the same kernels' time).
         stack = eng.inspect(lambda s: s.runner.model.decode_stack)
-        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
-        timers = eng.inspect(lambda s: Timers(s.runner.model))
-        steps = 24
-        ms, _ = decode_step_ms(eng, 1, lambda: eng.generate(input_ids=prompts, sampling_params={
-            **sp, "max_new_tokens": steps}))
-        eng.inspect(lambda s: timers.close())
-        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", stack))
-        forwards = timers.attention_calls / timers.layers
-        per_step = {k: 1e3 * v / forwards for k, v in timers.totals.items()}
-        kernels = sum(per_step.values())
-        out["b1_breakdown_ms"] = {**per_step, "other": max(0.0, ms - kernels), "step": ms,
-                                  "decode_stack": stack is not None,
-                                  "other_stack": max(0.0, out["decode_b1_ms"] - kernels) if 1 in batches else None}
+        for b in [b for b in batches if b <= 8]:
+            eng.flush_cache()
+            prompts = [[rng.randrange(3, 49000) for _ in range(context)] for _ in range(b)]
+            eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
+            timers = eng.inspect(lambda s, b=b: Timers(s.runner.model, b))
+            ms, _ = decode_step_ms(eng, b, lambda ps=prompts: eng.generate(input_ids=ps, sampling_params={
+                **sp, "max_new_tokens": 24}))
+            eng.inspect(lambda s, t=timers: t.close())
+            eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", stack))
+            forwards = timers.attention_calls / timers.layers
+            per_step = {k: 1e3 * v / forwards for k, v in timers.totals.items()}
+            kernels = sum(per_step.values())
+            out[f"b{b}_breakdown_ms"] = {**per_step, "other": max(0.0, ms - kernels), "step": ms,
+                                         "decode_stack": stack is not None,
+                                         "other_stack": max(0.0, out[f"decode_b{b}_ms"] - kernels)}
     finally:
         eng.shutdown()
     return out
