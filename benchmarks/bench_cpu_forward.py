@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 from engine_steps import cpu_simd, decode_step_ms, emit
 
-from runtime.bench.floor import floor_ms, stream_bandwidth, weight_bytes
+from runtime.bench.floor import stream_bandwidth, weight_bytes
 from runtime.config import cpu_has_native_bf16
 from runtime.engine import Engine
 from runtime.models.loader import resolve_model_path
@@ -98,12 +98,12 @@ def on_own_thread(fn: Callable[[], T]) -> T:
     return box[0]
 
 
-def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float) -> dict[str, Any]:
+def measure_format(fmt: str, context: int, batches: list[int]) -> dict[str, Any]:
     eng = on_own_thread(lambda: Engine(model="default", max_total_tokens=34 * (context + 64) + 2048,
                                        log_level="warning", **FORMATS[fmt]))
     model = eng.scheduler.runner.model
     rng = random.Random(0)
-    out: dict[str, Any] = {"weight_mb": weight_bytes(model) / 1e6, "floor_ms": floor_ms(model, bandwidth)}
+    out: dict[str, Any] = {"weight_mb": weight_bytes(model) / 1e6}
     try:
         prompt = [rng.randrange(3, 49000) for _ in range(1024)]
         eng.generate(input_ids=prompt[:64], sampling_params={"max_new_tokens": 2})  # warm-up
@@ -119,7 +119,6 @@ def measure_format(fmt: str, context: int, batches: list[int], bandwidth: float)
             spb = {**sp, "max_new_tokens": 16 + b * context // 1024}
             ms, _ = decode_step_ms(eng, b, lambda ps=prompts, spb=spb: eng.generate(input_ids=ps, sampling_params=spb))
             out[f"decode_b{b}_ms"] = ms
-            out[f"decode_b{b}_over_floor"] = ms / out["floor_ms"]
         # where a batch-1 and a batch-8 step go (separate passes: the timers cost a little themselves). The timers
         # wrap the Python calls of the layer-by-layer path, so the native decode stack is set aside for them:
         # "other" is what that path spends besides the kernels, "other_stack" what is left of it with the stack
@@ -178,12 +177,19 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
-    bandwidth = on_own_thread(stream_bandwidth)
+    # probed before each format and at the end; every floor uses the fastest reading (runtime/bench/floor.py)
+    probes: list[float] = []
     result: dict[str, Any] = {"cpu": cpu_simd(), "native_bf16": cpu_has_native_bf16(),
-                              "threads": torch.get_num_threads(), "context": a.context,
-                              "stream_gb_s": bandwidth / 1e9, "formats": {}}
+                              "threads": torch.get_num_threads(), "context": a.context, "formats": {}}
     for fmt in a.formats:
-        result["formats"][fmt] = measure_format(fmt, a.context, a.batches, bandwidth)
+        probes.append(on_own_thread(stream_bandwidth))
+        result["formats"][fmt] = measure_format(fmt, a.context, a.batches)
+    probes.append(on_own_thread(stream_bandwidth))
+    result["stream_gb_s"], result["stream_probes_gb_s"] = max(probes) / 1e9, [round(p / 1e9, 1) for p in probes]
+    for r in result["formats"].values():
+        r["floor_ms"] = 1e3 * r["weight_mb"] * 1e6 / max(probes)
+        for b in a.batches:
+            r[f"decode_b{b}_over_floor"] = r[f"decode_b{b}_ms"] / r["floor_ms"]
     if not a.no_transformers:
         hf = measure_transformers(a.context, max(a.batches))
         result["transformers"] = hf

@@ -107,12 +107,16 @@ def add_bench_parser(sub: Any) -> None:
 
     prof = bsub.add_parser("profile", formatter_class=fmt, help="Time the parts of one scheduler step in-process.",
                            description="Time scheduling, batch building, model forward, sampling and result "
-                           "processing of scheduler steps on a few-shot batch, and a ZMQ round trip of 64 outputs.")
+                           "processing of scheduler steps on a few-shot batch, each next to the weight-streaming "
+                           "floor measured in the same run, and a ZMQ round trip of 64 outputs.")
     prof.add_argument("--model", default="default", help="Model to load (as radixserve serve --model).")
     prof.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores).")
     prof.add_argument("--batch", type=int, default=8, help="Requests in the batch.")
     prof.add_argument("--decode-steps", type=int, default=16, help="Decode steps timed per repeat.")
     prof.add_argument("--repeats", type=int, default=3, help="Times the scenario is repeated (medians).")
+    prof.add_argument("--server-args", default="", metavar="FLAGS",
+                      help="radixserve serve flags for the profiled runtime, one quoted string (e.g. '--quantization "
+                      "int8'); the weight-streaming floor printed beside each step is that format's.")
     prof.add_argument("--out", default=None, help="Save the profile as JSON.")
 
     qual = bsub.add_parser("quality", formatter_class=fmt, help="Output quality of bf16 / int8 weights vs float32.",
@@ -198,7 +202,7 @@ def _profile(args: argparse.Namespace) -> int:
     from runtime.bench.profile import format_profile, run_profile
 
     p = run_profile(args.model, threads=args.threads or None, batch=args.batch, decode_steps=args.decode_steps,
-                    repeats=args.repeats)
+                    repeats=args.repeats, server_flags=shlex.split(args.server_args))
     print(format_profile(p))
     if args.out:
         Path(args.out).write_text(json.dumps(p, indent=1))

@@ -207,7 +207,8 @@ class Comparison:
 
             print("\n##### step profile (in-process)", flush=True)
             try:
-                self.summary["profile"] = run_profile(self.opts.model, threads=self.threads)
+                self.summary["profile"] = run_profile(self.opts.model, threads=self.threads,
+                                                      server_flags=self.opts.server_args)
                 print(format_profile(self.summary["profile"]), flush=True)
             except Exception as exc:
                 print(f"step profile failed: {exc}", file=sys.stderr, flush=True)

@@ -11,7 +11,9 @@ The step is the normal loop's, driven through the Scheduler's public steps with 
 
 Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
 ~1,000-token block, first request), a mixed step (7 questions admitted with their prefix cached + 1 decode)
-and plain decode steps of 8 requests at ~1,050 tokens of context. IPC is a ZMQ PUSH/PULL round trip
+and plain decode steps of 8 requests at ~1,050 tokens of context. Each step's time is set next to the
+weight-streaming floor of the model's format (``floor.py``: its weights' bytes over the streaming bandwidth,
+probed before and after the scenarios). IPC is a ZMQ PUSH/PULL round trip
 (ipc://, pickle protocol 5, as ``runtime.server.ipc``) of a BatchTokenOut with 64 outputs: the message a step
 sends to the detokenizer at batch 64.
 """
@@ -92,19 +94,36 @@ def ipc_round_trip(outputs: int = 64, iters: int = 300) -> dict[str, float]:
             "pickle_only_s": statistics.median(codec), "bytes": float(len(encode(msg)))}
 
 
+def profile_server_args(model: str, threads: int | None, server_flags: list[str]) -> Any:
+    """The ServerArgs a profile runs with: ``radixserve serve``'s flags (``server_flags``, e.g. ``--quantization
+    int8``, as `bench compare --server-args` passes them to its servers) over the model and thread count."""
+    import argparse
+
+    from runtime.config import add_server_args, server_args_from_namespace
+
+    parser = argparse.ArgumentParser(prog="radixserve bench profile --server-args", add_help=False)
+    add_server_args(parser)
+    ns = parser.parse_args(["--model", model, *server_flags])
+    if threads:
+        ns.num_threads = threads
+    ns.log_level = "warning"
+    return server_args_from_namespace(ns).resolve()
+
+
 def run_profile(model: str = "default", threads: int | None = None, batch: int = 8, decode_steps: int = 16,
-                repeats: int = 3) -> dict[str, Any]:
+                repeats: int = 3, server_flags: list[str] | None = None) -> dict[str, Any]:
     """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
+    from runtime.bench.floor import stream_bandwidth, weight_floor
     from runtime.bench.workloads import make_workload
-    from runtime.config import ServerArgs
     from runtime.executor.model_runner import ModelRunner
     from runtime.models.loader import load_tokenizer
     from runtime.models.tokenizer import eos_token_ids, tokenize
     from runtime.request.intake import SingleRequest, from_native, prepare
     from runtime.scheduler.scheduler import Scheduler
 
-    args = ServerArgs(model=model, num_threads=threads or None, log_level="warning").resolve()
+    args = profile_server_args(model, threads, server_flags or [])
     runner = ModelRunner(args)
+    bandwidths = [stream_bandwidth()]
     tokenizer = load_tokenizer(args.tokenizer or runner.model_path)
     sched = Scheduler(args, runner, tokenizer, eos_token_ids(tokenizer, runner.hf_config, runner.model_path))
     wl = make_workload("fewshot", overrides={"questions": batch * repeats})
@@ -145,8 +164,10 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
             sched.abort(req.rid)
         sched.step()  # hand the aborted requests' outputs back
         sched.flush_cache()  # the next repeat starts cold again
+    bandwidths.append(stream_bandwidth())
     result: dict[str, Any] = {"model": str(runner.model_path.name), "threads": threads, "batch": batch,
-                              "context_tokens": len(singles[0].input_ids or []), "scenarios": {}}
+                              "server_flags": server_flags or [], "context_tokens": len(singles[0].input_ids or []),
+                              "floor": weight_floor(runner.model, bandwidths), "scenarios": {}}
     for name, steps in scenarios.items():
         if not steps:
             continue
@@ -170,7 +191,23 @@ def format_profile(p: dict[str, Any]) -> str:
         lines.append(row)
     lines.append(f"{'decodes / new prompt tokens':26s}" + "".join(
         f"{int(p['scenarios'][n]['decodes']):>8d} / {int(p['scenarios'][n]['prefill_tokens']):<5d}" for n in names))
+    if "floor" in p:
+        lines.append(f"{'x weight-streaming floor':26s}" + "".join(f"{floor_ratio(p, n):>15.2f}x" for n in names))
+        lines.append(floor_line(p))
     ipc = p["ipc"]
     lines.append(f"IPC: BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes): ZMQ round trip "
                  f"{1e6 * ipc['round_trip_s']:.0f} µs, pickle encode+decode alone {1e6 * ipc['pickle_only_s']:.0f} µs")
     return "\n".join(lines)
+
+
+def floor_ratio(p: dict[str, Any], scenario: str) -> float:
+    """A scenario's median step time over the profile's weight-streaming floor."""
+    return 1e3 * p["scenarios"][scenario]["total"] / p["floor"]["floor_ms"]
+
+
+def floor_line(p: dict[str, Any]) -> str:
+    """What the floor row of a profile divides by."""
+    f = p["floor"]
+    flags = " ".join(p.get("server_flags") or []) or "the default format"
+    return (f"floor: {f['weight_mb']:.0f} MB of weights ({flags}) read once per step at {f['bandwidth_gb_s']:.1f} GB/s "
+            f"(fastest of the probes {', '.join(map(str, f['probes_gb_s']))} GB/s) = {f['floor_ms']:.2f} ms")

@@ -214,7 +214,7 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def _profile_table(p: dict[str, Any]) -> list[str]:
-    from runtime.bench.profile import PART_NAMES, PARTS
+    from runtime.bench.profile import PART_NAMES, PARTS, floor_line, floor_ratio
 
     names = list(p["scenarios"])
     out = [f"In-process step profile (`radixserve bench profile`): {p['model']}, few-shot batch of {p['batch']}, "
@@ -229,7 +229,11 @@ def _profile_table(p: dict[str, Any]) -> list[str]:
         out.append(f"| {PART_NAMES.get(part, part)} | " + " | ".join(cells) + " |")
     out.append("| decodes + new prompt tokens | " + " | ".join(
         f"{int(p['scenarios'][n]['decodes'])} + {int(p['scenarios'][n]['prefill_tokens'])}" for n in names) + " |")
+    if "floor" in p:  # profiles saved before the floor probe have none
+        out.append("| x weight-streaming floor | " + " | ".join(f"{floor_ratio(p, n):.2f}x" for n in names) + " |")
     ipc = p["ipc"]
+    if "floor" in p:
+        out += ["", floor_line(p) + "."]
     out += ["", f"IPC: a BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes) takes "
             f"{1e6 * ipc['round_trip_s']:.0f} µs for a ZMQ round trip (pickle alone "
             f"{1e6 * ipc['pickle_only_s']:.0f} µs)."]

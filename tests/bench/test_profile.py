@@ -1,0 +1,42 @@
+"""`radixserve bench profile`: every step is set next to the weight-streaming floor of the format it ran, measured
+in the same run at the fastest of its bandwidth probes, and the report renders the same figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import runtime.bench.floor as floor
+from runtime.bench.profile import floor_ratio, format_profile, profile_server_args, run_profile
+from runtime.bench.report import render_section
+
+
+def test_profile_takes_serve_flags() -> None:
+    args = profile_server_args("default", 1, ["--quantization", "int8", "--max-total-tokens", "4096"])
+    assert (args.quantization, args.max_total_tokens, args.num_threads) == ("int8", 4096, 1)
+    with pytest.raises(SystemExit):  # argparse's own error for a flag serve does not have
+        profile_server_args("default", None, ["--no-such-flag"])
+
+
+def test_each_step_is_set_against_the_floor_of_the_fastest_probe(tiny_model_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    readings = iter([2e9, 8e9])  # a slow probe, then a fast one: the floor must use the fast one
+    monkeypatch.setattr(floor, "stream_bandwidth", lambda: next(readings))
+    weights: list[int] = []
+    real_weight_bytes = floor.weight_bytes
+    monkeypatch.setattr(floor, "weight_bytes", lambda model: weights.append(real_weight_bytes(model)) or weights[-1])
+    p = run_profile(str(tiny_model_dir), threads=1, batch=2, decode_steps=2, repeats=1,
+                    server_flags=["--dtype", "float32"])
+    f = p["floor"]
+    assert f["probes_gb_s"] == [2.0, 8.0] and f["bandwidth_gb_s"] == 8.0
+    assert weights and f["floor_ms"] == pytest.approx(1e3 * weights[-1] / 8e9)
+    assert p["server_flags"] == ["--dtype", "float32"]
+    text = format_profile(p)
+    for name, sc in p["scenarios"].items():
+        ratio = floor_ratio(p, name)
+        assert ratio == pytest.approx(1e3 * sc["total"] / f["floor_ms"]) and ratio > 0
+        assert f"{ratio:.2f}x" in text
+    assert "at 8.0 GB/s (fastest of the probes 2.0, 8.0 GB/s)" in text
+    section = render_section({"results": [], "profile": p}, [])
+    assert "| x weight-streaming floor |" in section and "--dtype float32" in section
