@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 from engine_steps import cpu_simd, decode_step_ms, emit
 
-from runtime.bench.floor import stream_bandwidth, weight_bytes
+from runtime.bench.floor import stream_bandwidth, weight_bytes, weight_floor
 from runtime.config import cpu_has_native_bf16
 from runtime.engine import Engine
 from runtime.models.loader import resolve_model_path
@@ -103,7 +103,7 @@ def measure_format(fmt: str, context: int, batches: list[int]) -> dict[str, Any]
                                        log_level="warning", **FORMATS[fmt]))
     model = eng.scheduler.runner.model
     rng = random.Random(0)
-    out: dict[str, Any] = {"weight_mb": weight_bytes(model) / 1e6}
+    out: dict[str, Any] = {"weight_bytes": weight_bytes(model)}
     try:
         prompt = [rng.randrange(3, 49000) for _ in range(1024)]
         eng.generate(input_ids=prompt[:64], sampling_params={"max_new_tokens": 2})  # warm-up
@@ -187,7 +187,8 @@ def main() -> None:
     probes.append(on_own_thread(stream_bandwidth))
     result["stream_gb_s"], result["stream_probes_gb_s"] = max(probes) / 1e9, [round(p / 1e9, 1) for p in probes]
     for r in result["formats"].values():
-        r["floor_ms"] = 1e3 * r["weight_mb"] * 1e6 / max(probes)
+        floor = weight_floor(r.pop("weight_bytes"), probes)
+        r["weight_mb"], r["floor_ms"] = floor["weight_mb"], floor["floor_ms"]
         for b in a.batches:
             r[f"decode_b{b}_over_floor"] = r[f"decode_b{b}_ms"] / r["floor_ms"]
     if not a.no_transformers:

@@ -75,6 +75,11 @@ class PagedDecodeKernel:
         rows 0.13-0.16 against 0.23-0.27), since a group's results depend on its members anyway."""
         return self.bf16_gemm and dtype == torch.bfloat16
 
+    @staticmethod
+    def takes_slots(slots: torch.Tensor) -> bool:
+        """Whether ``store_kv`` takes these slot numbers as they are (contiguous int64)."""
+        return slots.dtype == torch.int64 and slots.is_contiguous()
+
     def store(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> bool:
         """Write new tokens' K and V ``[T, Hkv, D]`` into ``slots`` of one layer's 2-D pools in one kernel call;
@@ -82,7 +87,7 @@ class PagedDecodeKernel:
         other than contiguous heads), for the caller's general path."""
         if k.dtype != k_pool.dtype or v.dtype != k_pool.dtype:
             return False
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
+        if not self.takes_slots(slots):
             return False
         if k.stride(2) != 1 or v.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride(1) != v.shape[2]:
             return False

@@ -85,9 +85,12 @@ class TorchNativeBackend(AttentionBackend):
 
     def decode_in_place(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a planned batch of decode rows only (no prefill chunk, no cascade group) whose rows read the pool in
-        place: the kernel's ``(kv_index [B, L], lengths [B])``, as :meth:`forward` passes them; else None."""
+        place and whose new K/V rows the store kernel takes: the kernel's ``(kv_index [B, L], lengths [B])``, as
+        :meth:`forward` passes them; else None."""
         meta = batch.attn_metadata
         if self.paged is None or not isinstance(meta, TorchNativeMetadata) or meta.cascade is not None:
+            return None
+        if not self.paged.takes_slots(batch.out_cache_loc):
             return None
         dec = meta.decode
         if meta.prefills or dec is None or dec.token_rows is not None or dec.lengths is None:

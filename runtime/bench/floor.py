@@ -3,7 +3,7 @@
 A decode step at small batch must read every weight once; no kernel can beat the time that takes at the
 memory's streaming bandwidth. ``stream_bandwidth`` measures that bandwidth (a sum over a buffer four
 times the last-level cache, so it comes from DRAM), ``weight_bytes`` counts the bytes a step reads in the
-model's weight format, and ``floor_ms`` divides them. Benchmarks print a step's time next to its floor.
+model's weight format, and ``weight_floor`` divides them. Benchmarks print a step's time next to its floor.
 
 On a shared VM one probe can read well below (or above) what the memory sustains a minute later, so a run
 probes more than once and ``weight_floor`` takes the fastest reading: the floor is then the lowest a run saw,
@@ -58,12 +58,9 @@ def weight_bytes(model: Any) -> int:
     return total
 
 
-def floor_ms(model: Any, bandwidth: float) -> float:
-    return 1e3 * weight_bytes(model) / bandwidth
-
-
-def weight_floor(model: Any, bandwidths: list[float]) -> dict[str, Any]:
-    """The floor of a decode step of ``model`` at the fastest of the run's probes (bytes per second)."""
+def weight_floor(nbytes: int, bandwidths: list[float]) -> dict[str, Any]:
+    """The floor of a decode step that reads ``nbytes`` of weights (``weight_bytes``), at the fastest of the run's
+    probes (bytes per second)."""
     best = max(bandwidths)
-    return {"weight_mb": weight_bytes(model) / 1e6, "bandwidth_gb_s": best / 1e9,
-            "probes_gb_s": [round(b / 1e9, 1) for b in bandwidths], "floor_ms": floor_ms(model, best)}
+    return {"weight_mb": nbytes / 1e6, "bandwidth_gb_s": best / 1e9,
+            "probes_gb_s": [round(b / 1e9, 1) for b in bandwidths], "floor_ms": 1e3 * nbytes / best}

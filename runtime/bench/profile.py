@@ -113,7 +113,7 @@ def profile_server_args(model: str, threads: int | None, server_flags: list[str]
 def run_profile(model: str = "default", threads: int | None = None, batch: int = 8, decode_steps: int = 16,
                 repeats: int = 3, server_flags: list[str] | None = None) -> dict[str, Any]:
     """Time the scenarios (medians over ``repeats``; decode over ``repeats * decode_steps`` steps)."""
-    from runtime.bench.floor import stream_bandwidth, weight_floor
+    from runtime.bench.floor import stream_bandwidth, weight_bytes, weight_floor
     from runtime.bench.workloads import make_workload
     from runtime.executor.model_runner import ModelRunner
     from runtime.models.loader import load_tokenizer
@@ -167,7 +167,7 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
     bandwidths.append(stream_bandwidth())
     result: dict[str, Any] = {"model": str(runner.model_path.name), "threads": threads, "batch": batch,
                               "server_flags": server_flags or [], "context_tokens": len(singles[0].input_ids or []),
-                              "floor": weight_floor(runner.model, bandwidths), "scenarios": {}}
+                              "floor": weight_floor(weight_bytes(runner.model), bandwidths), "scenarios": {}}
     for name, steps in scenarios.items():
         if not steps:
             continue

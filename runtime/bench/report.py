@@ -230,10 +230,9 @@ def _profile_table(p: dict[str, Any]) -> list[str]:
     out.append("| decodes + new prompt tokens | " + " | ".join(
         f"{int(p['scenarios'][n]['decodes'])} + {int(p['scenarios'][n]['prefill_tokens'])}" for n in names) + " |")
     if "floor" in p:  # profiles saved before the floor probe have none
-        out.append("| x weight-streaming floor | " + " | ".join(f"{floor_ratio(p, n):.2f}x" for n in names) + " |")
+        out += ["| x weight-streaming floor | " + " | ".join(f"{floor_ratio(p, n):.2f}x" for n in names) + " |",
+                "", floor_line(p) + "."]
     ipc = p["ipc"]
-    if "floor" in p:
-        out += ["", floor_line(p) + "."]
     out += ["", f"IPC: a BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes) takes "
             f"{1e6 * ipc['round_trip_s']:.0f} µs for a ZMQ round trip (pickle alone "
             f"{1e6 * ipc['pickle_only_s']:.0f} µs)."]

@@ -69,14 +69,11 @@ class DecodeStack:
         t = residual.shape[0]
         if not self.ops.runs_packed(t) or batch.kv.shape.dtype != residual.dtype or cos.dtype != residual.dtype:
             return False
-        slots = batch.out_cache_loc
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            return False
         inputs = self.backend.decode_in_place(batch)
         if inputs is None:
             return False
         kv_index, lengths = inputs
         d = self.head_dim
-        self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), slots, kv_index, lengths,
+        self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), batch.out_cache_loc, kv_index, lengths,
                         batch.kv.k_buffer, batch.kv.v_buffer)
         return True
