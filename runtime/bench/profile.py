@@ -165,9 +165,12 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
         sched.step()  # hand the aborted requests' outputs back
         sched.flush_cache()  # the next repeat starts cold again
     bandwidths.append(stream_bandwidth())
+    # every request was aborted and the cache flushed: the KV books must balance with nothing held
+    integrity = sched.check_integrity()
     result: dict[str, Any] = {"model": str(runner.model_path.name), "threads": threads, "batch": batch,
                               "server_flags": server_flags or [], "context_tokens": len(singles[0].input_ids or []),
-                              "floor": weight_floor(weight_bytes(runner.model), bandwidths), "scenarios": {}}
+                              "floor": weight_floor(weight_bytes(runner.model), bandwidths), "kv_integrity": integrity,
+                              "scenarios": {}}
     for name, steps in scenarios.items():
         if not steps:
             continue

@@ -32,6 +32,8 @@ def test_each_step_is_set_against_the_floor_of_the_fastest_probe(tiny_model_dir:
     assert f["probes_gb_s"] == [2.0, 8.0] and f["bandwidth_gb_s"] == 8.0
     assert weights and f["floor_ms"] == pytest.approx(1e3 * weights[-1] / 8e9)
     assert p["server_flags"] == ["--dtype", "float32"]
+    # the KV accounting invariant held after the scenarios (check_integrity raises otherwise), nothing held
+    assert p["kv_integrity"]["private"] == 0 and p["kv_integrity"]["protected"] == 0, p["kv_integrity"]
     text = format_profile(p)
     for name, sc in p["scenarios"].items():
         ratio = floor_ratio(p, name)
