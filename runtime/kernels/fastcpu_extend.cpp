@@ -267,7 +267,14 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   const float* qf = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+  // a block's cost: its rows times the most keys one of its tokens sees (the three passes run that far)
+  const auto block_cost = [&](int64_t item) {
+    const int64_t r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
+    int64_t keys = 0;
+    for (int64_t r = r0; r < r0 + nrows; ++r) keys = std::max(keys, lens[r / group]);
+    return nrows * keys;
+  };
+  parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> qp(kRows * pairs);
     std::vector<float> sc(kRows * padded);
     std::vector<uint32_t> pp(kRows * padded / 2);

@@ -1,6 +1,6 @@
 // Helpers shared by the fastcpu kernels (fastcpu*.cpp): 16-float GCC vectors, loads that widen bf16 / int8 to
-// fp32, stores that round to bf16 as torch does, transposed horizontal sums, a vectorised exp, and the linear
-// kernels' activations in and out (float32 or bfloat16) and optional bias.
+// fp32, stores that round to bf16 as torch does, transposed horizontal sums, a vectorised exp, a work split by
+// cost, and the linear kernels' activations in and out (float32 or bfloat16) and optional bias.
 #pragma once
 
 #include <torch/extension.h>
@@ -134,6 +134,31 @@ inline void bf16_pairs32(const float* x, uint32_t* out) {
 }
 #endif
 
+
+// ------------------------------------------------------------------ work split by cost
+// fn(begin, end) over the items [0, n) as at::parallel_for's, each thread taking one run of consecutive items of
+// about the same total cost(item) (an item goes to the thread whose share holds its cost's midpoint).
+// at::parallel_for splits by count, which left one thread with most of the work where items differ in size:
+// a 1,065-token decode row's position ranges (256, 256, 256, 256, 41) went 3 + 2, i.e. 768 positions against
+// 297; the blocks of a causal prefill grow with their position, so the second half of them cost 3x the first.
+// Which thread runs an item does not change its arithmetic.
+template <typename Cost, typename Fn>
+inline void parallel_by_cost(int64_t n, const Cost& cost, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<double> before(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) before[i + 1] = before[i] + static_cast<double>(cost(i));
+  const double total = before[n];
+  std::vector<int64_t> start(threads + 1, n);
+  start[0] = 0;
+  for (int64_t i = 0, t = 1; i < n && t < threads; ++i) {
+    const double mid = total > 0 ? (before[i] + before[i + 1]) / 2 / total * threads : double(i) * threads / n;
+    while (t < threads && mid >= t) start[t++] = i;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      if (start[t] < start[t + 1]) fn(start[t], start[t + 1]);
+  });
+}
 
 // ------------------------------------------------------------------ activations in the model's dtype
 // The kernels compute in fp32 but take and give the model's activations as they are (float32 or bfloat16):
