@@ -14,19 +14,19 @@
 
 namespace {
 
-// One linear layer as PackedCpuOps packed it (runtime/models/packed.py) and the kernel for its layout.
+// One linear layer as PackedCpuOps packed it (runtime/models/packed.py) and the kernel for its layout: the one
+// place that choice is made, for PackedCpuOps' layer-by-layer calls and for the stack alike.
 struct PackedLinear {
   enum class Kernel { kPacked, kInt8, kBf16 };
   Kernel kernel;
   torch::Tensor data;
   c10::optional<torch::Tensor> scale;  // per output row (int8)
-  c10::optional<torch::Tensor> bias;   // float32
   int64_t n;
   int64_t act_block;  // linear_int8's activation block
 
   PackedLinear(const std::string& layout, torch::Tensor data_, int64_t n_, c10::optional<torch::Tensor> scale_,
-               c10::optional<torch::Tensor> bias_, int64_t act_block_)
-      : data(std::move(data_)), scale(std::move(scale_)), bias(std::move(bias_)), n(n_), act_block(act_block_) {
+               int64_t act_block_)
+      : data(std::move(data_)), scale(std::move(scale_)), n(n_), act_block(act_block_) {
     if (layout == "kmajor") {
       kernel = Kernel::kPacked;
     } else if (layout == "vnni") {
@@ -38,8 +38,9 @@ struct PackedLinear {
     }
   }
 
-  // x @ W.T (+ bias) in x's dtype, or added into `out` in place.
-  torch::Tensor run(const torch::Tensor& x, c10::optional<torch::Tensor> out) const {
+  // x @ W.T (+ bias, float32) in x's dtype, or added into `out` in place.
+  torch::Tensor run(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
+                    const c10::optional<torch::Tensor>& out) const {
     switch (kernel) {
       case Kernel::kInt8:
         return linear_int8(x, data, n, *scale, bias, out, act_block);
@@ -51,9 +52,18 @@ struct PackedLinear {
   }
 };
 
+// A layer's linear and its bias (float32, or none).
+struct Linear {
+  PackedLinear weight;
+  c10::optional<torch::Tensor> bias;
+  torch::Tensor run(const torch::Tensor& x, const c10::optional<torch::Tensor>& out) const {
+    return weight.run(x, bias, out);
+  }
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  PackedLinear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;
 };
 
 class DecodeStack {
@@ -61,10 +71,12 @@ class DecodeStack {
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(heads), kv_heads_(kv_heads), d_(head_dim), eps_(eps), scale_(scale) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, PackedLinear qkv, PackedLinear o,
-                 PackedLinear gate_up, PackedLinear down) {
-    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
-                            std::move(gate_up), std::move(down)});
+  // linears: qkv, o, gate_up, down; biases: theirs, in that order (float32, or none)
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const std::vector<PackedLinear>& linears,
+                 const std::vector<c10::optional<torch::Tensor>>& biases) {
+    TORCH_CHECK(linears.size() == 4 && biases.size() == 4, "a layer has four linears (qkv, o, gate_up, down)");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {linears[0], biases[0]},
+                            {linears[1], biases[1]}, {linears[2], biases[2]}, {linears[3], biases[3]}});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -107,13 +119,15 @@ class DecodeStack {
 void bind_decoder(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<PackedLinear>(m, "PackedLinear", "one packed linear layer and the kernel for its layout")
-      .def(py::init<const std::string&, torch::Tensor, int64_t, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, int64_t>(),
-           py::arg("layout"), py::arg("data"), py::arg("n"), py::arg("scale"), py::arg("bias"), py::arg("act_block"));
+      .def(py::init<const std::string&, torch::Tensor, int64_t, c10::optional<torch::Tensor>, int64_t>(),
+           py::arg("layout"), py::arg("data"), py::arg("n"), py::arg("scale"), py::arg("act_block"))
+      .def("run", &PackedLinear::run, py::arg("x"), py::arg("bias"), py::arg("out"),
+           "x @ W.T (+ bias) in x's dtype (float32 or bfloat16), or added into out in place (returned)");
   py::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode batch in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
-      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("linears"),
+           py::arg("biases"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       // the GIL is released while the layers run: other threads of the scheduler process keep going
       .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());

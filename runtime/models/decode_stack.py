@@ -54,12 +54,13 @@ class DecodeStack:
         if any(norm.dtype != model.dtype for layer in layers for norm in (layer.input_norm, layer.post_norm)):
             return None
         for layer in layers:
-            linears = [ops.packed_linear(w, b) for w, b in (
-                (layer.qkv_weight, layer.qkv_bias), (layer.o_weight, layer.o_bias),
-                (layer.gate_up_weight, layer.gate_up_bias), (layer.down_weight, layer.down_bias))]
+            pairs = ((layer.qkv_weight, layer.qkv_bias), (layer.o_weight, layer.o_bias),
+                     (layer.gate_up_weight, layer.gate_up_bias), (layer.down_weight, layer.down_bias))
+            linears = [ops.packed_linear(w) for w, _ in pairs]
             if any(lin is None for lin in linears):
                 return None
-            native.add_layer(layer.input_norm, layer.post_norm, *linears)
+            native.add_layer(layer.input_norm, layer.post_norm, linears,
+                             [b.float() if b is not None else None for _, b in pairs])
         logger.info("decode batches run the %d decoder layers in one native call", arch.num_layers)
         return cls(native, ops, backend, arch.head_dim)
 

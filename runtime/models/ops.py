@@ -162,6 +162,7 @@ class PackedCpuOps(TorchOps):
             self.small_m = BF16_DOT_SMALL_M
         self.act_block = act_block
         self.packed: dict[int, PackedWeight] = {}
+        self.linears: dict[int, Any] = {}  # id(weight) -> fastcpu.PackedLinear over packed[id(weight)]
 
     def prepare(self, model: Any) -> None:
         """Pack the model's linear weights, and its output projection (kept unpacked too when it is the
@@ -174,7 +175,8 @@ class PackedCpuOps(TorchOps):
         """Pack each ``[N, K]`` weight; ``release`` frees the model's own copy (the panels stand for it)."""
         layout = "vnni" if self.vnni else "bf16pair" if self.bf16_dot else "kmajor"
         for w in weights:
-            self.packed[id(w)] = pack_weight(w.detach(), self.weight_format, layout)
+            pw = self.packed[id(w)] = pack_weight(w.detach(), self.weight_format, layout)
+            self.linears[id(w)] = self.k.PackedLinear(pw.layout, pw.data, pw.out_features, pw.scale, self.act_block)
             if release:
                 w.data = w.data.new_empty(0)
 
@@ -182,13 +184,10 @@ class PackedCpuOps(TorchOps):
         """Whether a linear layer over ``rows`` activation rows runs the packed kernel (not a library GEMM)."""
         return self.vnni or rows <= self.small_m
 
-    def packed_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-        """``weight`` packed, with its kernel, as the native decode stack takes it (None: no packed copy)."""
-        pw = self.packed.get(id(weight))
-        if pw is None:
-            return None
-        return self.k.PackedLinear(pw.layout, pw.data, pw.out_features, pw.scale,
-                                   bias.float() if bias is not None else None, self.act_block)
+    def packed_linear(self, weight: torch.Tensor) -> Any:
+        """``weight``'s ``fastcpu.PackedLinear`` (its packed copy and the kernel for its layout), as the native
+        decode stack takes it; None where it has no packed copy."""
+        return self.linears.get(id(weight))
 
     @property
     def packed_bytes(self) -> int:
@@ -199,21 +198,16 @@ class PackedCpuOps(TorchOps):
         """The packed product (None: not this kernel's case: no packed copy, or a large float batch). The
         kernels take x in float32 or bfloat16 and return the product in x's dtype, or add it into ``out``
         (either dtype) in place; converting in the kernel saves a torch call per tensor."""
-        pw = self.packed.get(id(weight))
-        if pw is None:
+        lin = self.linears.get(id(weight))
+        if lin is None:
             return None
-        xk = kernel_input(x)
         b = bias.float() if bias is not None else None
-        if pw.layout == "vnni":
-            assert pw.scale is not None
-            return self.k.linear_int8(xk, pw.data, pw.out_features, pw.scale, b, out, self.act_block)
-        if pw.layout == "bf16pair":
-            return self.k.linear_bf16(xk, pw.data, pw.out_features, b, out) if self.runs_packed(x.shape[0]) else None
-        if self.runs_packed(x.shape[0]):
-            return self.k.linear_packed(xk, pw.data, pw.out_features, pw.scale, b, out)
+        if self.runs_packed(x.shape[0]):  # the kernel for the weight's layout: PackedLinear's choice
+            return lin.run(kernel_input(x), b, out)
         if self.weight_format != "int8":
             return None
-        y = F.linear(x.float(), dequantize(pw), b)  # int8 without VNNI, large batch: a GEMM over the dequantised weight
+        # int8 without VNNI, large batch: a GEMM over the dequantised weight
+        y = F.linear(x.float(), dequantize(self.packed[id(weight)]), b)
         return y if out is None else out.add_(y.to(out.dtype))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

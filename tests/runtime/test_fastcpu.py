@@ -286,6 +286,24 @@ def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
     torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_packed_ops_add_the_bias_in_the_kernel_and_past_its_rows(fmt):
+    """A bias reaches whichever product runs (the packed kernel for the weight's layout, or past its row limit
+    the library's GEMM), with and without a residual to add into: the product with the bias is the product
+    without it plus the bias."""
+    model = TinyModel()
+    ops = PackedCpuOps(fmt)
+    ops.prepare(model)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(3))
+    for rows in (2, ops.small_m + 8):
+        x = torch.randn(rows, 32).bfloat16().float()
+        plain = ops.linear(x, model.layer, None)
+        torch.testing.assert_close(ops.linear(x, model.layer, bias), plain + bias, rtol=1e-5, atol=1e-5)
+        residual = torch.ones(rows, 40)
+        ops.add_linear_(residual, x, model.layer, bias)
+        torch.testing.assert_close(residual, 1 + plain + bias, rtol=1e-5, atol=1e-5)
+
+
 @requires_vnni
 def test_vnni_activation_error_stays_within_half_a_step_of_its_block(k):
     """Against the unquantised activations: each value moves at most half its block's step, so an outlier
