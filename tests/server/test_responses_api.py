@@ -124,6 +124,12 @@ def test_length_limit_makes_an_incomplete_response(client):
 
 
 # ---------------------------------------------------------------------- streaming
+def delta_runs_collapsed(kinds: list[str]) -> list[str]:
+    """Event types with each run of consecutive text deltas written once."""
+    return [k for i, k in enumerate(kinds)
+            if not (k == "response.output_text.delta" and i and kinds[i - 1] == k)]
+
+
 @pytest.mark.slow
 def test_streaming_events(client, server):
     whole = client.responses.create(input=QUESTION, **GREEDY)
@@ -148,7 +154,10 @@ def test_streaming_events(client, server):
     for event in raw:
         validated(event)
     Response.model_validate(raw[-1]["response"])
-    assert [e["type"] for e in raw] == kinds
+    # the same events in the same order; how many deltas carry the text depends on how the detokenizer's outputs
+    # met the stream's writes (several tokens may arrive as one delta), so a run of deltas counts once
+    assert delta_runs_collapsed([e["type"] for e in raw]) == delta_runs_collapsed(kinds)
+    assert "".join(e["delta"] for e in raw if e["type"] == "response.output_text.delta") == deltas
 
 
 @pytest.mark.slow
