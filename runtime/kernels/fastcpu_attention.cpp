@@ -23,6 +23,11 @@ inline void prefetch_row(const KV* row, int64_t d) {
   for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
+// The factor that rescales a head's running sums when its running max moves from m to new_m: exp(m - new_m),
+// 0 on the first tile (m = -inf). Once the max has settled (most tiles of a long row) it is exactly 1, and the
+// scalar exp and the multiplications by it are skipped: multiplying by 1 changes no bit.
+inline float rescale(float m, float new_m) { return new_m == m ? 1.f : std::exp(m - new_m); }
+
 // One (KV row, KV head, position range): online softmax over the range for G query heads that share the KV
 // head — the head's query heads of one token, or of several tokens of one request (a verified draft, a short
 // prefill chunk), so that each K and V row is loaded once for all of them. Head g sees positions below hi[g]
@@ -84,7 +89,7 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
       float tile_max = s[g][0];
       for (int64_t t = 1; t < ng; ++t) tile_max = std::max(tile_max, s[g][t]);
       const float new_m = std::max(m[g], tile_max);
-      const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
+      const float correction = rescale(m[g], new_m);
       m[g] = new_m;
       v16 p = exp16(load(&s[g][0]) - splat(new_m));
       store(&s[g][0], p);
@@ -92,7 +97,8 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
       float tile_sum = 0.f;
       for (int64_t t = 0; t < ng; ++t) tile_sum += s[g][t];
       l[g] = l[g] * correction + tile_sum;
-      for (int64_t c = 0; c < nv; ++c) acc[g][c] *= splat(correction);
+      if (correction != 1.f)
+        for (int64_t c = 0; c < nv; ++c) acc[g][c] *= splat(correction);
     }
     for (int64_t t = 0; t < n; ++t) {
       const KV* vr = v_pool + slots[j + t] * slot_stride + head_off;
@@ -118,7 +124,7 @@ inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
   const __mmask16 seen = static_cast<__mmask16>((1u << ng) - 1u);
   const __m512 sv = _mm512_loadu_ps(s);
   const float new_m = std::max(m, _mm512_mask_reduce_max_ps(seen, sv));
-  const float correction = std::exp(m - new_m);  // 0 on the first tile (m = -inf)
+  const float correction = rescale(m, new_m);
   m = new_m;
   const __m512 p = _mm512_maskz_mov_ps(seen, (__m512)exp16((v16)sv - splat(new_m)));
   _mm512_storeu_ps(s, p);
@@ -171,20 +177,24 @@ void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k
     }
     for (int g = 0; g < G; ++g) store(&s[g][0], hsum16(dp[g]) * splat(scale));
     __m512 corr[G];
+    bool rescaled[G];
     for (int g = 0; g < G; ++g) {
       const int64_t ng = std::min<int64_t>(n, hi[g] - j);
       if (ng <= 0) {
         std::fill(s[g], s[g] + kTile, 0.f);
-        corr[g] = _mm512_set1_ps(1.f);
+        rescaled[g] = false;
         continue;
       }
-      corr[g] = _mm512_set1_ps(softmax_tile(s[g], ng, m[g], l[g]));
+      const float c = softmax_tile(s[g], ng, m[g], l[g]);
+      rescaled[g] = c != 1.f;
+      corr[g] = _mm512_set1_ps(c);
     }
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < NC; ++c) {
-        acc_e[g][c] = _mm512_mul_ps(acc_e[g][c], corr[g]);
-        acc_o[g][c] = _mm512_mul_ps(acc_o[g][c], corr[g]);
-      }
+      if (rescaled[g])
+        for (int c = 0; c < NC; ++c) {
+          acc_e[g][c] = _mm512_mul_ps(acc_e[g][c], corr[g]);
+          acc_o[g][c] = _mm512_mul_ps(acc_o[g][c], corr[g]);
+        }
     // The weighted values as bf16 dot products over pairs of positions: weights rounded to bf16 (as the
     // extend kernel's), the two positions' value rows interleaved word by word (unpack within 128-bit lanes,
     // so the accumulators hold the dims in a permuted order, undone at the end).
