@@ -23,13 +23,11 @@ import argparse
 import functools
 import random
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from engine_steps import cpu_simd, decode_step_ms, emit
+from engine_steps import cpu_simd, decode_step_ms, emit, median_ms
 
 from runtime.attention.cascade import attention_with_lse
 from runtime.attention.torch_native import TorchNativeBackend
@@ -37,16 +35,6 @@ from runtime.engine import Engine
 from runtime.kernels.build import load_kernels
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
 
 
 def layer_row(kernels: Any, k_pool: torch.Tensor, v_pool: torch.Tensor, e: int, prefix: int, repeats: int,

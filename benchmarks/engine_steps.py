@@ -1,10 +1,11 @@
-"""What the Engine benchmarks share: timing decode steps from the scheduler's own step log, naming the
-CPU's vector instruction sets, and printing and saving a result."""
+"""What the Engine and kernel benchmarks share: timing decode steps from the scheduler's own step log, the median
+time of repeated calls, naming the CPU's vector instruction sets, and printing and saving a result."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,18 @@ def decode_step_ms(engine: Engine, batch: int, run: Callable[[], T]) -> tuple[fl
     out = run()
     times = engine.inspect(lambda s: [t for b, t in s.stats.decode_steps if b == batch])
     return 1000 * statistics.median(times), out
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """The median ms of ``repeats`` calls of ``fn``, after ``warmup`` calls that are not timed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
 
 
 def cpu_simd() -> str:
