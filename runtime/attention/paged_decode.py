@@ -123,21 +123,33 @@ class PagedDecodeKernel:
         caller vouches that the slots and their KV are the same while the key is (the planner's key is the slots
         and how often their pages were freed, see ``torch_native_plan``). Packing was half the kernel's time for a
         batch of decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
-        packed = None
-        if reuse is not None:
-            layers = self._packed.setdefault(reuse, {})
-            where = (layer, k_pool.data_ptr())
-            packed = layers.get(where)
-            if packed is None:
-                padded = -(-kv_index.numel() // 32) * 32
-                need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * k_pool.element_size()
-                if self._packed_bytes + need <= PACKED_PREFIX_BYTES:
-                    packed = self.kernels.pack_prefix(k_pool, v_pool, kv_index, self.shape.num_kv_heads,
-                                                      self.shape.head_dim)
-                    layers[where] = packed
-                    self._packed_bytes += need
         lengths = torch.full((q.shape[0],), kv_index.numel(), dtype=torch.int64)
+        packed = self.prefix_pack(k_pool, v_pool, kv_index, layer, reuse)
         return self._gemm(q, k_pool, v_pool, kv_index, lengths, packed)
+
+    def prefix_pack(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor, layer: int,
+                    reuse: Hashable | None) -> list[torch.Tensor] | None:
+        """The packed prefix (pack_prefix's (K, V)) of one layer's slots ``kv_index`` kept under ``reuse``, packed
+        now if it is not yet and the budget allows; None where nothing is kept (no key, or over the budget)."""
+        if reuse is None:
+            return None
+        layers = self._packed.setdefault(reuse, {})
+        where = (layer, k_pool.data_ptr())
+        packed = layers.get(where)
+        if packed is None:
+            padded = -(-kv_index.numel() // 32) * 32
+            need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * k_pool.element_size()
+            if self._packed_bytes + need <= PACKED_PREFIX_BYTES:
+                packed = self.kernels.pack_prefix(k_pool, v_pool, kv_index, self.shape.num_kv_heads,
+                                                  self.shape.head_dim)
+                layers[where] = packed
+                self._packed_bytes += need
+        return packed
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, o_shared: torch.Tensor, lse_shared: torch.Tensor) -> None:
+        """A cascade group's rows: ``out`` ``[n, H, D]`` over their own KV (log-sum-exp ``lse`` ``[n, H]``) merged in
+        place with :meth:`shared`'s result, in the kernel the native decode stack merges with (the same bits)."""
+        self.kernels.merge_attention(out, lse, o_shared, lse_shared)
 
     def _gemm(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
               lengths: torch.Tensor, packed: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

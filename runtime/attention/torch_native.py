@@ -26,6 +26,8 @@ scattered indices is ~9x slower there).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,7 @@ from runtime.attention.torch_native_plan import (
     CascadePlan,
     DecodeGroup,
     PrefillChunk,
+    SharedPart,
     TorchNativeMetadata,
     plan_batch,
 )
@@ -49,6 +52,28 @@ from runtime.core.forward_batch import ForwardBatch
 # the gather costs the whole prefix once per layer, which a short chunk cannot amortise. Chunks of any length
 # do where the pool is bf16 and the GEMM kernel is built (``PagedDecodeKernel.gemm``).
 IN_PLACE_EXTEND_MAX = 64
+
+
+@dataclass(frozen=True)
+class SharedRead:
+    """A cascade group's shared prefix as a decode batch reads it in place: the group's rows ``start .. end - 1``,
+    the prefix's slots, and per layer the packed prefix kept for it (None: packed per call)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    packs: list[list[torch.Tensor] | None]
+
+
+@dataclass(frozen=True)
+class InPlaceDecode:
+    """What every layer's attention reads for a batch of decode rows (:meth:`TorchNativeBackend.decode_in_place`):
+    each row's own KV slots ``kv_index [B, L]`` up to ``lengths [B]`` (after its group's shared prefix, for rows in
+    a group), and the shared prefixes."""
+
+    kv_index: torch.Tensor
+    lengths: torch.Tensor
+    shared: list[SharedRead]
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -83,19 +108,34 @@ class TorchNativeBackend(AttentionBackend):
             casc = batch.attn_metadata.cascade
             self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())
 
-    def decode_in_place(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a planned batch of decode rows only (no prefill chunk, no cascade group) whose rows read the pool in
-        place and whose new K/V rows the store kernel takes: the kernel's ``(kv_index [B, L], lengths [B])``, as
-        :meth:`forward` passes them; else None."""
+    def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
+        """For a planned batch of decode rows only (no prefill chunk) whose rows read the pool in place and whose new
+        K/V rows the store kernel takes, either all outside cascade groups or all inside groups whose shared
+        prefixes go through the GEMM kernel: what :meth:`forward` reads for them, in every layer; else None."""
         meta = batch.attn_metadata
-        if self.paged is None or not isinstance(meta, TorchNativeMetadata) or meta.cascade is not None:
+        if self.paged is None or not isinstance(meta, TorchNativeMetadata) or meta.prefills:
             return None
         if not self.paged.takes_slots(batch.out_cache_loc):
             return None
+        casc = meta.cascade
+        shared: list[SharedRead] = []
         dec = meta.decode
-        if meta.prefills or dec is None or dec.token_rows is not None or dec.lengths is None:
+        if casc is not None:  # every row in a group, in order (then meta.decode is None): see forward
+            if dec is not None or casc.rows is not None or casc.prefills or not self.paged.gemm_shared(
+                    batch.kv.shape.dtype):
+                return None
+            dec = casc.decode
+            shared = [SharedRead(p.start, p.end, p.slots, self._prefix_packs(batch, p)) for p in casc.shared]
+        if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
-        return dec.kv_index.view(dec.batch_size, -1), dec.lengths
+        return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)
+
+    def _prefix_packs(self, batch: ForwardBatch, part: SharedPart) -> list[list[torch.Tensor] | None]:
+        """Every layer's packed prefix of a cascade group, as ``_cascade`` would keep it layer by layer."""
+        assert self.paged is not None
+        kv = batch.kv
+        return [self.paged.prefix_pack(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1),
+                                       part.slots, i, part.reuse_key) for i in range(kv.shape.num_layers)]
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -198,9 +238,7 @@ class TorchNativeBackend(AttentionBackend):
             if self.paged is not None and self.paged.gemm_shared(k_pool.dtype):  # bf16 GEMMs, in place
                 o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, part.slots, layer_id,
                                                  part.reuse_key)
-                merge_attention_(out[part.start : part.end].view(n, hkv, g, d),
-                                 lse[part.start : part.end].view(n, hkv, g), o_sh.view(n, hkv, g, d),
-                                 lse_sh.view(n, hkv, g))
+                self.paged.merge(out[part.start : part.end], lse[part.start : part.end], o_sh, lse_sh)
                 continue
             if part.kv_start is not None:
                 k, v = k_pool.narrow(0, part.kv_start, p), v_pool.narrow(0, part.kv_start, p)

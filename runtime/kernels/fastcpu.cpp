@@ -21,6 +21,7 @@
 //
 // extend_attention (fastcpu_extend.cpp): a prefill chunk over a cached prefix, or a cascade group's rows
 //   against its shared prefix, as two small bf16 GEMMs per block of query rows; built with linear_bf16.
+//   merge_attention joins a cascade row's two parts by their log-sum-exp.
 //
 // DecodeStack (fastcpu_decoder.cpp): every decoder layer of a decode batch in one call from Python, the same
 //   kernels in the same order as the layer-by-layer path.
@@ -300,6 +301,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_index"), py::arg("lengths"), py::arg("scale"),
         py::arg("num_kv_heads"), py::arg("packed") = py::none());
   m.def("pack_prefix", &pack_prefix, "one layer's KV of a slot row packed for extend_attention; (K, V)");
+  m.def("merge_attention", &merge_attention,
+        "a cascade group's own-KV attention (out, lse) merged in place with its shared prefix's");
   m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
   bind_decoder(m);
 }

@@ -66,6 +66,17 @@ struct Layer {
   Linear qkv, o, gate_up, down;
 };
 
+// A cascade group of the batch: rows start .. end - 1 whose KV begins with the same slots (a shared prefix of
+// P positions), attended once for all of them per layer (extend_attention) and merged into each row's attention
+// over its own KV. `packs[layer]` is pack_prefix's (K, V) of that layer where the caller keeps one, else empty
+// (extend_attention packs per call).
+struct SharedGroup {
+  int64_t start, end;
+  torch::Tensor slots;  // [P] int64
+  torch::Tensor lengths;  // [end - start] int64, all P
+  std::vector<std::vector<torch::Tensor>> packs;
+};
+
 class DecodeStack {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
@@ -82,12 +93,17 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // residual [T, hidden] (updated in place); cos / sin_signed [T, D] in its dtype; slots [T] (where the new
-  // tokens' K and V go); kv_index [T, L] and lengths [T] (what each token attends); k_buffer / v_buffer
-  // [layers, slots, kv_heads, D] (KVStorage's).
+  // tokens' K and V go); kv_index [T, L] and lengths [T] (what each token attends: after its group's shared
+  // prefix, for the rows of a group in `shared`); k_buffer / v_buffer [layers, slots, kv_heads, D] (KVStorage's).
   void run(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slots,
-           torch::Tensor kv_index, torch::Tensor lengths, torch::Tensor k_buffer, torch::Tensor v_buffer) const {
+           torch::Tensor kv_index, torch::Tensor lengths, torch::Tensor k_buffer, torch::Tensor v_buffer,
+           const std::vector<SharedGroup>& shared) const {
     TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == num_layers() && k_buffer.sizes() == v_buffer.sizes(),
                 "k_buffer / v_buffer must be [layers, slots, kv_heads, head_dim] for every layer of the stack");
+    for (const SharedGroup& g : shared)
+      TORCH_CHECK(0 <= g.start && g.start < g.end && g.end <= residual.size(0) && g.lengths.numel() == g.end - g.start &&
+                      (g.packs.empty() || static_cast<int64_t>(g.packs.size()) == num_layers()),
+                  "a shared group needs rows within the batch, a length per row, and a pack per layer or none");
     const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;
     const int64_t total_slots = k_buffer.size(1);
     for (int64_t i = 0; i < num_layers(); ++i) {
@@ -100,8 +116,18 @@ class DecodeStack {
           rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, d_}), cos, sin_signed);
       store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
                qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
-      torch::Tensor attn = decode_attention(qk.narrow(1, 0, heads_), k_pool, v_pool, kv_index, c10::nullopt, lengths,
-                                            scale_, kv_heads_)[0];
+      const torch::Tensor q = qk.narrow(1, 0, heads_);
+      std::vector<torch::Tensor> own = decode_attention(q, k_pool, v_pool, kv_index, c10::nullopt, lengths, scale_,
+                                                        kv_heads_);
+      const torch::Tensor attn = own[0].contiguous();
+      for (const SharedGroup& g : shared) {
+        const int64_t n = g.end - g.start;
+        c10::optional<std::vector<torch::Tensor>> pack;
+        if (!g.packs.empty() && !g.packs[i].empty()) pack = g.packs[i];
+        std::vector<torch::Tensor> part = extend_attention(q.narrow(0, g.start, n), k_pool, v_pool, g.slots, g.lengths,
+                                                           scale_, kv_heads_, pack);
+        merge_attention(attn.narrow(0, g.start, n), own[1].narrow(0, g.start, n), part[0], part[1]);
+      }
       layer.o.run(attn.view({t, q_size}), residual);
       torch::Tensor gate_up = layer.gate_up.run(rms_norm(residual, layer.post_norm, eps_), c10::nullopt);
       layer.down.run(silu_mul(gate_up), residual);
@@ -123,6 +149,9 @@ void bind_decoder(pybind11::module& m) {
            py::arg("layout"), py::arg("data"), py::arg("n"), py::arg("scale"), py::arg("act_block"))
       .def("run", &PackedLinear::run, py::arg("x"), py::arg("bias"), py::arg("out"),
            "x @ W.T (+ bias) in x's dtype (float32 or bfloat16), or added into out in place (returned)");
+  py::class_<SharedGroup>(m, "SharedGroup", "a cascade group of a decode batch: rows sharing a KV prefix")
+      .def(py::init<int64_t, int64_t, torch::Tensor, torch::Tensor, std::vector<std::vector<torch::Tensor>>>(),
+           py::arg("start"), py::arg("end"), py::arg("slots"), py::arg("lengths"), py::arg("packs"));
   py::class_<DecodeStack>(m, "DecodeStack", "the decoder layers of a decode batch in one call")
       .def(py::init<int64_t, int64_t, int64_t, double, double>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
@@ -130,5 +159,7 @@ void bind_decoder(pybind11::module& m) {
            py::arg("biases"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       // the GIL is released while the layers run: other threads of the scheduler process keep going
-      .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &DecodeStack::run, py::arg("residual"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
+           py::arg("kv_index"), py::arg("lengths"), py::arg("k_buffer"), py::arg("v_buffer"),
+           py::arg("shared") = std::vector<SharedGroup>{}, py::call_guard<py::gil_scoped_release>());
 }

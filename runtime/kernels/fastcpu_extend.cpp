@@ -320,3 +320,18 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   return {q};
 #endif
 }
+
+// A cascade group's rows: `out` [n, H, D] (attention over each row's own KV, with log-sum-exp `lse` [n, H])
+// becomes attention over own + shared KV, given the shared part's `o_shared` / `lse_shared`. The shared part's
+// weight is sigmoid(lse_shared - lse), runtime/attention/cascade.py has the derivation; fp32 whatever out's dtype.
+// The layer-by-layer path and the decode stack both merge here, so the two give the same bits.
+void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared) {
+  TORCH_CHECK(out.dim() == 3 && lse.dim() == 2 && out.sizes() == o_shared.sizes() && lse.sizes() == lse_shared.sizes()
+                  && lse.scalar_type() == torch::kFloat32 && lse_shared.scalar_type() == torch::kFloat32,
+              "merge_attention: out / o_shared [n, H, D], lse / lse_shared [n, H] float32");
+  const torch::Tensor w = torch::sigmoid(lse_shared - lse).unsqueeze(-1);
+  if (out.scalar_type() == torch::kFloat32)
+    out.lerp_(o_shared.to(torch::kFloat32), w);
+  else
+    out.copy_(out.to(torch::kFloat32).lerp_(o_shared.to(torch::kFloat32), w));
+}

@@ -8,8 +8,10 @@ result is the layer-by-layer one bit for bit (tests/runtime/test_decode_stack.py
 
 It is built where that path would run the packed kernels for every layer: a CPU model with packed weights, the
 torch_native backend reading the pool in place, no tensor parallelism, no per-head q/k norm (Qwen3), activations in
-float32 or bfloat16. Per batch it takes decode rows only (no prefill chunk, no cascade group) of up to the rows the
-packed kernels take, with a pool in the activations' dtype; any other batch runs layer by layer.
+float32 or bfloat16. Per batch it takes decode rows only (no prefill chunk) of up to the rows the packed kernels take,
+with a pool in the activations' dtype, either outside cascade groups or all in groups whose shared prefix goes
+through the GEMM kernel (a bf16 pool, where the CPU has AVX512_BF16): a few-shot batch decoding under its shared
+block. Any other batch runs layer by layer.
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ class DecodeStack:
         t = residual.shape[0]
         if not self.ops.runs_packed(t) or batch.kv.shape.dtype != residual.dtype or cos.dtype != residual.dtype:
             return False
-        inputs = self.backend.decode_in_place(batch)
-        if inputs is None:
+        reads = self.backend.decode_in_place(batch)
+        if reads is None:
             return False
-        kv_index, lengths = inputs
+        shared = [self.ops.k.SharedGroup(g.start, g.end, g.slots,
+                                         torch.full((g.end - g.start,), g.slots.numel(), dtype=torch.int64),
+                                         [p if p is not None else [] for p in g.packs]) for g in reads.shared]
         d = self.head_dim
-        self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), batch.out_cache_loc, kv_index, lengths,
-                        batch.kv.k_buffer, batch.kv.v_buffer)
+        self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), batch.out_cache_loc, reads.kv_index,
+                        reads.lengths, batch.kv.k_buffer, batch.kv.v_buffer, shared)
         return True

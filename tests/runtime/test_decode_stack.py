@@ -26,11 +26,13 @@ class CountedStack:
         self.stack = stack
         self.taken = 0
         self.declined = 0
+        self.taken_grouped = 0  # batches taken whose rows were in cascade groups
 
-    def run(self, *args: Any) -> bool:
-        took = self.stack.run(*args)
+    def run(self, residual: Any, cos: Any, sin: Any, batch: Any) -> bool:
+        took = self.stack.run(residual, cos, sin, batch)
         self.taken += took
         self.declined += not took
+        self.taken_grouped += took and batch.attn_metadata.cascade is not None
         return took
 
 
@@ -53,16 +55,22 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
     # and the steps that admit them mix prefill chunks with decode rows (those the stack declines)
     alone = [[rng.randrange(3, 49000) for _ in range(200)]]
     batch = [shared + [rng.randrange(3, 49000) for _ in range(n)] for n in (5, 40, 77)] + [alone[0][:33]]
+    # four under a 400-token block: cascade groups (their shared part through the GEMM kernel on a bf16 pool)
+    block = [rng.randrange(3, 49000) for _ in range(400)]
+    grouped = [block + [rng.randrange(3, 49000) for _ in range(n)] for n in (3, 20, 41, 60)]
     with checked_engine("default", max_total_tokens=8192, **FORMATS[fmt]) as eng:
         stack = eng.inspect(lambda s: s.runner.model.decode_stack)
         assert isinstance(stack, DecodeStack)
         counted = CountedStack(stack)
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", counted))
-        with_stack = [generate(eng, alone), generate(eng, batch)]
+        with_stack = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]
         assert counted.taken >= 2 * 11 - 2, "decode steps ran without the stack"
         assert counted.declined > 0, "no mixed step reached the stack"
+        # cascade groups go through the stack where their shared part takes the GEMM kernel (a bf16 pool)
+        gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
+        assert (counted.taken_grouped >= 10) == gemm_shared
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
-        by_layer = [generate(eng, alone), generate(eng, batch)]
+        by_layer = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]
     # logprobs equal as floats: the logits are the same bits
     assert with_stack == by_layer
 
