@@ -1,0 +1,156 @@
+"""Where a few-shot run's time goes: the peer comparison's few-shot workload on an in-process Engine, step by step.
+
+The workload of ``radixserve bench compare`` (a ~1,050-token block of 30 examples, then 64 questions of ~25 tokens,
+16 greedy tokens each) is sent by 8 client threads at a time, as the comparison's client keeps 8 requests in flight,
+twice per weight format:
+
+- cold: from an empty cache, as the comparison runs it (its first step prefills the shared block);
+- warm: the first question alone first (it caches the block), then the other 63, timed.
+
+For the warm run every scheduler step is recorded (rows decoding, new prompt tokens, seconds) and grouped into
+decode steps by batch size, mixed steps (prompt tokens with or without decode rows) and the rest. Inside the mixed
+steps the model's linear layers, its attention, and within attention a cascade group's shared part and the
+prefill chunks' own parts are timed (the timers cost a little themselves).
+
+    python benchmarks/bench_fewshot_steps.py [--formats bfloat16 int8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from bench_cpu_forward import FORMATS, on_own_thread
+from engine_steps import cpu_simd, emit
+
+from runtime.bench.workloads import make_workload
+from runtime.engine import Engine
+
+CONCURRENCY = 8
+
+
+def run_all(eng: Engine, requests: list[dict[str, Any]]) -> float:
+    """Seconds to answer ``requests`` with CONCURRENCY of them in flight."""
+    queue = list(requests)
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                body = queue.pop(0)["body"]
+            eng.generate(prompt=body["prompt"],
+                         sampling_params={"max_new_tokens": body["max_tokens"], "temperature": body["temperature"]})
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(CONCURRENCY)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t
+
+
+class StepLog:
+    """Records every scheduler step, and times the model's parts inside mixed steps (prompt tokens beside decode
+    rows), by wrapping the scheduler's step record and the model's calls."""
+
+    def __init__(self, sched: Any):
+        self.steps: list[tuple[int, int, float]] = []
+        self.parts: dict[str, float] = defaultdict(float)
+        self.mixed = False
+        model = sched.runner.model
+        self.undo: list[Callable[[], None]] = []
+        self._wrap(sched.stats, "record_step", None, self._record)
+        self._wrap(model, "forward", None, self._forward)
+        for name in ("linear", "add_linear_"):
+            self._wrap(model.ops, name, "linear")
+        self._wrap(model.attn_backend, "forward", "attention")
+        paged = model.attn_backend.paged
+        if paged is not None:
+            self._wrap(paged, "shared", "attention: shared prefix (cascade group)")
+            self._wrap(paged, "extend", "attention: prefill chunks' own tokens")
+
+    def _record(self, inner: Callable[..., Any], decodes: int, prefill_tokens: int, seconds: float) -> Any:
+        self.steps.append((decodes, prefill_tokens, seconds))
+        return inner(decodes, prefill_tokens, seconds)
+
+    def _forward(self, inner: Callable[..., Any], batch: Any) -> Any:
+        lens = batch.extend_lens_cpu
+        self.mixed = 1 in lens and max(lens) > 1  # decode rows beside prompt tokens
+        try:
+            return inner(batch)
+        finally:
+            if self.mixed:
+                self.parts["steps"] += 1
+            self.mixed = False
+
+    def _wrap(self, obj: Any, name: str, bucket: str | None,
+              around: Callable[..., Any] | None = None) -> None:
+        inner = getattr(obj, name)
+
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return around(inner, *a, **kw) if around is not None else inner(*a, **kw)
+            finally:
+                if bucket is not None and self.mixed:
+                    self.parts[bucket] += time.perf_counter() - t
+
+        setattr(obj, name, wrapped)
+        self.undo.append(lambda: delattr(obj, name))
+
+    def close(self) -> None:
+        for u in self.undo:
+            u()
+
+    def summary(self) -> dict[str, Any]:
+        kinds: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for decodes, tokens, seconds in self.steps:
+            kind = f"decode b{decodes}" if tokens == 0 else "mixed" if decodes else "prompt only"
+            kinds[kind].append((tokens, seconds))
+        out: dict[str, Any] = {kind: {"steps": len(v), "seconds": round(sum(s for _, s in v), 3),
+                                      "median_ms": round(1e3 * statistics.median(s for _, s in v), 2),
+                                      "median_prompt_tokens": statistics.median(t for t, _ in v)}
+                               for kind, v in sorted(kinds.items(), key=lambda kv: -sum(s for _, s in kv[1]))}
+        mixed = self.parts.get("steps", 0)
+        out["mixed_step_parts_ms"] = {k: round(1e3 * v / mixed, 2) for k, v in self.parts.items()
+                                      if k != "steps"} if mixed else {}
+        return out
+
+
+def measure(fmt: str) -> dict[str, Any]:
+    requests = make_workload("fewshot")["requests"]
+    eng = on_own_thread(lambda: Engine(model="default", log_level="warning", **FORMATS[fmt]))
+    try:
+        run_all(eng, requests[:1])  # compiles and warms what the first steps touch; its cache is flushed below
+        eng.flush_cache()
+        cold = run_all(eng, requests)
+        eng.flush_cache()
+        run_all(eng, requests[:1])  # the shared block is cached from here on
+        log = eng.inspect(StepLog)
+        warm = run_all(eng, requests[1:])
+        eng.inspect(lambda s: log.close())
+    finally:
+        eng.shutdown()
+    return {"cold_seq_s": round(len(requests) / cold, 2), "warm_seq_s": round((len(requests) - 1) / warm, 2),
+            "warm_steps": log.summary()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", nargs="+", default=["bfloat16", "int8"], choices=list(FORMATS))
+    ap.add_argument("--json", help="also save the result here")
+    a = ap.parse_args()
+    emit({"cpu": cpu_simd(), "concurrency": CONCURRENCY,
+          "formats": {fmt: measure(fmt) for fmt in a.formats}}, a.json)
+
+
+if __name__ == "__main__":
+    main()
