@@ -101,7 +101,8 @@ class DecodeStack {
     TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == num_layers() && k_buffer.sizes() == v_buffer.sizes(),
                 "k_buffer / v_buffer must be [layers, slots, kv_heads, head_dim] for every layer of the stack");
     for (const SharedGroup& g : shared)
-      TORCH_CHECK(0 <= g.start && g.start < g.end && g.end <= residual.size(0) && g.lengths.numel() == g.end - g.start &&
+      TORCH_CHECK(0 <= g.start && g.start < g.end && g.end <= residual.size(0) &&
+                      g.lengths.numel() == g.end - g.start &&
                       (g.packs.empty() || static_cast<int64_t>(g.packs.size()) == num_layers()),
                   "a shared group needs rows within the batch, a length per row, and a pack per layer or none");
     const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;

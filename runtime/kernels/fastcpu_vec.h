@@ -104,9 +104,9 @@ inline v16 hsum16(const v16 (&dp)[16]) {
 // exp of 16 floats (Cephes' expf polynomial, ~1 ulp for |x| < 87); inputs below -87 give ~0.
 //
 // x = n ln2 + r with n the integer nearest x log2(e), so e^x = 2^n e^r with |r| <= ln2 / 2 (e^r by the polynomial).
-// With AVX-512, n comes from one vrndscaleps and 2^n is applied by one vscalefps: 13 instructions instead of 22,
-// where the softmaxes of the attention kernels spend about a third of their time. The rounding of n differs from the
-// portable floor(x log2(e) + 0.5) only at exact ties, so the two paths agree to the bit elsewhere.
+// With AVX-512, n comes from one vrndscaleps and 2^n is applied by one vscalefps: 13 instructions instead of 22 for
+// every score of the attention kernels' softmaxes. The rounding of n differs from the portable
+// floor(x log2(e) + 0.5) only at exact ties, so the two paths agree to the bit elsewhere.
 inline v16 exp16(v16 x) {
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
   x = x > splat(88.3f) ? splat(88.3f) : x;

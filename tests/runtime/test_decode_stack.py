@@ -68,7 +68,7 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
         assert counted.declined > 0, "no mixed step reached the stack"
         # cascade groups go through the stack where their shared part takes the GEMM kernel (a bf16 pool)
         gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
-        assert (counted.taken_grouped >= 10) == gemm_shared
+        assert (counted.taken_grouped >= 5) == gemm_shared
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
         by_layer = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]
     # logprobs equal as floats: the logits are the same bits
