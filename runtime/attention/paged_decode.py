@@ -21,8 +21,6 @@ so a group's decode steps pack it once.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Collection, Hashable
 from typing import Any
 
@@ -30,8 +28,6 @@ import torch
 
 from runtime.attention.base import AttentionShape
 from runtime.kernels import kernel_input
-
-logger = logging.getLogger(__name__)
 
 # Chunks of at least this many new tokens over a bf16 pool take the GEMM kernel where it is built: at 8 tokens
 # the two kernels were even, at 16 the GEMM one was ~2x faster alone and 0.98-1.14x in whole prefill steps
@@ -167,16 +163,7 @@ def paged_decode_kernel(shape: AttentionShape, device: torch.device) -> PagedDec
     """The in-place decode kernel for ``shape`` on ``device``, or None where it cannot run."""
     if device.type != "cpu" or not supported(shape):
         return None
-    kernels = _fastcpu()
+    from runtime.kernels.build import optional_kernels
+
+    kernels = optional_kernels("fastcpu")
     return PagedDecodeKernel(shape, kernels) if kernels is not None else None
-
-
-@functools.cache
-def _fastcpu() -> Any:
-    from runtime.kernels.build import KernelBuildError, load_kernels
-
-    try:
-        return load_kernels("fastcpu")
-    except KernelBuildError as exc:
-        logger.warning("decode attention gathers KV into a padded copy (slower): %s", exc)
-        return None

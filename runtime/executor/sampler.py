@@ -138,7 +138,15 @@ def apply_repetition_penalty(logits: torch.Tensor, pairs: TokenPairs) -> None:
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The first maximum of each row (``max`` with indices: the same answer as ``argmax``, faster on CPU)."""
+    """The first maximum of each row, NaN counting as the largest: ``max`` with indices (the same answer as
+    ``argmax``, faster on CPU), or for fp32 logits on CPU the fastcpu kernel that gives the same answer (torch's
+    compares one element at a time: 0.1-0.25 ms of a batch-8 decode step over SmolLM2's 49,152 logits)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        from runtime.kernels.build import optional_kernels
+
+        kernels = optional_kernels("fastcpu")
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
     return torch.max(logits, dim=-1).indices
 
 

@@ -108,6 +108,17 @@ def load_kernels(name: str) -> ModuleType:
     return module
 
 
+@functools.cache
+def optional_kernels(name: str) -> ModuleType | None:
+    """``load_kernels(name)``, or None where they cannot be built here (said once, in a warning): for callers
+    with a plain torch way to the same result."""
+    try:
+        return load_kernels(name)
+    except KernelBuildError as exc:
+        logger.warning("%s; the plain torch path runs instead", exc)
+        return None
+
+
 def build_all() -> None:
     """Build every kernel set now (set-up time), so neither the first server start nor the first test pays for
     the compile; without a compiler this only warns (the server then says what it cannot do without one)."""

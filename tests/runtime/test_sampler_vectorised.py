@@ -20,10 +20,12 @@ from runtime.executor.sampler import (
     RowwiseSampler,
     Sampler,
     SampleResult,
+    argmax,
     edit_logits,
     restrict_top_k_top_p,
 )
 from runtime.executor.sampling_batch import draw_seed
+from runtime.kernels.build import optional_kernels
 
 
 @dataclass
@@ -360,3 +362,30 @@ def test_all_greedy_batch_is_the_argmax():
     logits[:, vocab:] = 1e9  # padded columns never win
     rows = [Row(SamplingParams(temperature=0.0)) for _ in range(5)]
     assert sampler.sample(logits, sampler.prepare(rows)).token_ids == logits[:, :vocab].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 49_152, 49_155])
+def test_argmax_answers_as_torch_max(vocab):
+    """``argmax`` (the fastcpu kernel for CPU fp32 logits where it is built) gives ``torch.max``'s indices: the
+    first of tied maxima, the first NaN where a row has one, index 0 for a row of -inf, rows read with a
+    stride (logits narrowed to the vocabulary)."""
+    g = torch.Generator().manual_seed(vocab)
+    base = torch.randn(4, vocab + 5, generator=g)[:, :vocab]
+    cases = [base]
+    tied = base.clone()
+    tied[:, vocab // 2] = tied[:, -1] = 1e9
+    cases.append(tied)
+    cases.append(torch.full((3, vocab), float("-inf")))
+    nan = base.clone()
+    nan[0, vocab // 3] = nan[2, vocab - 1] = float("nan")
+    nan[3, ::2] = float("nan")
+    cases.append(nan)
+    inf = base.clone()
+    inf[:, 0] = inf[:, -1] = float("inf")
+    cases.append(inf)
+    kernels = optional_kernels("fastcpu")
+    assert kernels is not None, "the fastcpu kernels build wherever the tests run (bootstrap builds them)"
+    for logits in cases:
+        expected = torch.max(logits, dim=-1).indices
+        assert torch.equal(kernels.argmax_rows(logits), expected), logits
+        assert torch.equal(argmax(logits), expected), logits
