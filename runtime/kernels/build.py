@@ -59,13 +59,13 @@ def _ninja_on_path() -> None:
         pass
 
 
-def _stage(sources: list[Path], folder: Path) -> list[Path]:
+def _stage(sources: list[Path], headers: list[Path], folder: Path) -> list[Path]:
     """Copies of ``sources`` (and the headers beside them) in ``folder``, the build directory's own: ninja records
     the paths it compiled, so building from the package's files would rebuild whenever the same sources are
     loaded from another checkout or install location (a clone for CI, a second worktree), though the key is
     the same. Files are replaced atomically and only when their content differs."""
     folder.mkdir(parents=True, exist_ok=True)
-    for src in [*sources, *sorted(HERE.glob("*.h"))]:
+    for src in [*sources, *headers]:
         dst = folder / src.name
         data = src.read_bytes()
         if not dst.exists() or dst.read_bytes() != data:
@@ -78,10 +78,18 @@ def _stage(sources: list[Path], folder: Path) -> list[Path]:
 @functools.cache
 def load_kernels(name: str) -> ModuleType:
     """Build (if needed) and import the kernel set ``name`` (``SOURCES``) as a Python module (once per process)."""
+    return build_kernels(name, HERE)
+
+
+def build_kernels(name: str, source_dir: Path) -> ModuleType:
+    """Build (if needed) and import the kernel set ``name`` from the sources in ``source_dir``: this package's
+    (``load_kernels``), or another revision's, which ``benchmarks/bench_kernel_ab.py`` loads beside these to
+    time both in one process. Builds are keyed by their sources, so the two never overwrite each other."""
     from torch.utils import cpp_extension
 
-    sources = [HERE / f for f in SOURCES[name]]
-    text = b"".join(p.read_bytes() for p in [*sources, *sorted(HERE.glob("*.h"))])
+    sources = [source_dir / f for f in SOURCES[name]]
+    headers = sorted(source_dir.glob("*.h"))
+    text = b"".join(p.read_bytes() for p in [*sources, *headers])
     flags = CFLAGS[name]
     host = " ".join(sorted(cpu_flags())) or platform.processor()
     key = hashlib.sha256(text + torch.__version__.encode() + host.encode()
@@ -92,7 +100,7 @@ def load_kernels(name: str) -> ModuleType:
         raise KernelBuildError(f"building the {name} kernels needs a C++ compiler (c++/g++ on PATH; on "
                                "Debian/Ubuntu: apt-get install g++)")
     _ninja_on_path()
-    sources = _stage(sources, build_dir / "src")
+    sources = _stage(sources, headers, build_dir / "src")
     fresh = not any(build_dir.glob("*.so"))
     t0 = time.perf_counter()
     if fresh:

@@ -1,0 +1,172 @@
+"""This checkout's CPU kernels against another revision's, both loaded in one process and timed alternately.
+
+On a shared VM the memory bandwidth moves by 10-20% from one minute to the next, so two benchmark runs a minute
+apart can differ by more than a kernel change does. Here the kernel set ``fastcpu`` of ``--base`` (its
+``runtime/kernels`` files, read with ``git show``) is built beside this checkout's, and every case runs on both
+builds in turn, ``--rounds`` times, on the same inputs (the order flips every round). Each case reports both
+medians and their ratio. A case that one of the builds cannot run (a kernel it lacks, an older signature) is
+reported as such and skipped.
+
+Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 pool and queries):
+
+- decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
+  layer's pool 30 times (in cache);
+- a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
+- the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows, where the host
+  has the instructions;
+- the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
+  ``argmax_rows``).
+
+    python benchmarks/bench_kernel_ab.py --base REV [--rounds 16] [--threads 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from engine_steps import cpu_simd, emit
+
+from runtime.kernels.build import HERE, build_kernels, load_kernels
+from runtime.models.packed import pack_weight
+
+HEADS, KV_HEADS, DIM, LAYERS, CONTEXT, VOCAB = 9, 3, 64, 30, 1065, 49152
+LINEAR_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate/up, down: [N, K]
+
+Case = Callable[[ModuleType], Any]
+
+
+def kernels_at(rev: str, folder: Path) -> ModuleType:
+    """The fastcpu kernels of git revision ``rev``, built from its files copied into ``folder``."""
+    repo = HERE.parents[1]
+    kernel_dir = HERE.relative_to(repo).as_posix()
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{kernel_dir}"], cwd=repo, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".cpp", ".h")):
+            data = subprocess.run(["git", "show", f"{rev}:{kernel_dir}/{name}"], cwd=repo, check=True,
+                                  capture_output=True).stdout
+            (folder / name).write_bytes(data)
+    return build_kernels("fastcpu", folder)
+
+
+def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator) -> Case:
+    pools = [((torch.randn(batch * CONTEXT + 64, KV_HEADS * DIM, generator=g) * 0.5).bfloat16(),
+              torch.randn(batch * CONTEXT + 64, KV_HEADS * DIM, generator=g).bfloat16()) for _ in range(layers)]
+    index = torch.arange(batch * CONTEXT).view(batch, CONTEXT)
+    lengths = torch.full((batch,), CONTEXT)
+    q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()
+
+    def run(k: ModuleType) -> None:
+        for _ in range(repeats):
+            for kp, vp in pools:
+                k.decode_attention(q, kp, vp, index, None, lengths, DIM ** -0.5, KV_HEADS)
+
+    return run
+
+
+def shared_case(k_this: ModuleType, g: torch.Generator) -> Case:
+    prefix, slots = 1050, 4096
+    pools = [((torch.randn(slots, KV_HEADS * DIM, generator=g) * 0.5).bfloat16(),
+              torch.randn(slots, KV_HEADS * DIM, generator=g).bfloat16()) for _ in range(LAYERS)]
+    index = torch.randperm(slots, generator=g)[:prefix].sort().values
+    packs = [k_this.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in pools]
+    q = torch.randn(8, HEADS, DIM, generator=g).bfloat16()
+    lengths = torch.full((8,), prefix, dtype=torch.int64)
+
+    def run(k: ModuleType) -> None:
+        for (kp, vp), pack in zip(pools, packs):
+            k.extend_attention(q, kp, vp, index, lengths, DIM ** -0.5, KV_HEADS, pack)
+
+    return run
+
+
+def linear_case(fmt: str, rows: int, g: torch.Generator) -> Case:
+    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+    weights = [pack_weight(torch.randn(n, k, generator=g) * 0.05, fmt, layout)
+               for _ in range(LAYERS) for n, k in LINEAR_SHAPES]
+    xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in LINEAR_SHAPES}
+    built: dict[int, list[Any]] = {}
+
+    def run(k: ModuleType) -> None:
+        if id(k) not in built:  # each build's own PackedLinear objects over the same packed weights
+            built[id(k)] = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in weights]
+        for lin, w in zip(built[id(k)], weights):
+            lin.run(xs[w.in_features], None, None)
+
+    return run
+
+
+def argmax_case(g: torch.Generator) -> Case:
+    """The sampler's greedy pick with each build: its argmax_rows, or torch.max where the build has none."""
+    logits = torch.randn(8, VOCAB, generator=g)
+
+    def run(k: ModuleType) -> Any:
+        kernel = getattr(k, "argmax_rows", None)
+        return kernel(logits) if kernel is not None else torch.max(logits, dim=-1).indices
+
+    return run
+
+
+def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
+    out = {
+        "decode attention, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g),
+        "decode attention, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g),
+        "decode attention, batch 1, one layer x30 in cache": decode_case(1, 1, LAYERS, g),
+    }
+    if k_this.bf16_dot():
+        out["shared part, 8 rows x 1,050 kept keys, 30 layers"] = shared_case(k_this, g)
+        for rows in (1, 8):
+            out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
+    if k_this.int8_vnni():
+        for rows in (1, 8):
+            out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
+    out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
+    return out
+
+
+def measure(builds: dict[str, ModuleType], case: Case, rounds: int) -> dict[str, float] | str:
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    try:
+        for k in builds.values():  # warm-up, and a build that cannot run the case says so here
+            case(k)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        return f"not comparable: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    order = list(builds)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            t = time.perf_counter()
+            case(builds[name])
+            times[name].append(time.perf_counter() - t)
+    return {name: 1000 * statistics.median(v) for name, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="the git revision whose kernels are compared with this checkout's")
+    ap.add_argument("--rounds", type=int, default=16, help="alternations per case (default 16)")
+    ap.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    ap.add_argument("--json", help="also save the result here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {"base": kernels_at(a.base, Path(tmp)), "this": load_kernels("fastcpu")}
+    g = torch.Generator().manual_seed(0)
+    result: dict[str, Any] = {"cpu": cpu_simd(), "threads": a.threads, "base": a.base, "rounds": a.rounds}
+    for name, case in cases(builds["this"], g).items():
+        ms = measure(builds, case, a.rounds)
+        result[name] = ms if isinstance(ms, str) else {"base_ms": round(ms["base"], 4), "this_ms": round(ms["this"], 4),
+                                                        "this_vs_base": round(ms["this"] / ms["base"], 3)}
+    emit(result, a.json)
+
+
+if __name__ == "__main__":
+    main()
