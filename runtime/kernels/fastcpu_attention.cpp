@@ -18,9 +18,9 @@ constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are 
 
 // Software prefetch of one head's row of K or V, kPrefetch positions ahead: the rows of a request are scattered
 // over the pool (one slot each), so the hardware's stream prefetchers cannot see the next one coming. Two tiles
-// ahead, not one: a tile takes less time to attend than a read from memory takes to arrive (over 1k positions
-// from memory, 30 layers, the two builds alternated in one process: batch 8 6.90-7.03 -> 6.64-6.75 ms, batch 1
-// 0.72-0.78 -> 0.64-0.72 ms; three tiles were no better and six slower).
+// ahead, not one: a tile takes less time to attend than a read from memory takes to arrive. Over 1k positions
+// from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
+// 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
