@@ -21,6 +21,7 @@ so a group's decode steps pack it once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Hashable
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch
 
 from runtime.attention.base import AttentionShape
 from runtime.kernels import kernel_input
+
+logger = logging.getLogger(__name__)
 
 # Chunks of at least this many new tokens over a bf16 pool take the GEMM kernel where it is built: at 8 tokens
 # the two kernels were even, at 16 the GEMM one was ~2x faster alone and 0.98-1.14x in whole prefill steps
@@ -166,4 +169,7 @@ def paged_decode_kernel(shape: AttentionShape, device: torch.device) -> PagedDec
     from runtime.kernels.build import optional_kernels
 
     kernels = optional_kernels("fastcpu")
-    return PagedDecodeKernel(shape, kernels) if kernels is not None else None
+    if kernels is None:
+        logger.warning("decode attention gathers each request's KV into a padded copy (slower)")
+        return None
+    return PagedDecodeKernel(shape, kernels)
