@@ -113,7 +113,14 @@ class RowwiseSampler(Sampler):
         return torch.cat([torch.log_softmax(logits[i : i + 1], dim=-1) for i in range(logits.shape[0])])
 
 
-def make_sampler(vocab_size: int, deterministic: bool, grammar_masker: GrammarMasker | None = None) -> Sampler:
+def make_sampler(vocab_size: int, deterministic: bool, grammar_masker: GrammarMasker | None = None,
+                 device: torch.device | None = None) -> Sampler:
+    """The sampler for logits on ``device``: on CPU the kernels ``argmax`` uses are loaded now, at start-up,
+    rather than inside the first step that samples."""
+    if device is not None and device.type == "cpu":
+        from runtime.kernels.build import optional_kernels
+
+        optional_kernels("fastcpu")
     cls = RowwiseSampler if deterministic else Sampler
     return cls(vocab_size, grammar_masker)
 

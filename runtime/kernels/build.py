@@ -106,9 +106,12 @@ def build_kernels(name: str, source_dir: Path) -> ModuleType:
     if fresh:
         logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, build_dir)
     try:
+        # Copies of the flag lists: load() appends torch's library paths to extra_ldflags in place, which put the
+        # first build's venv path into the key of every kernel set loaded after it in the same process (another
+        # build directory, compiled again: ~70 s inside a deterministic server's first step).
         module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(p) for p in sources],
-                                    extra_cflags=flags, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
-                                    verbose=False)
+                                    extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
+                                    build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # compiler errors, a missing ninja, a failed import of the built library
         raise KernelBuildError(f"could not build the {name} kernels: {exc}") from exc
     if fresh:

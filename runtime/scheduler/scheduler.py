@@ -77,7 +77,7 @@ class Scheduler:
         self.cache: PrefixCache = make_cache(args, runner, cache_event_sink)
         self.policy = make_schedule_policy(args.schedule_policy, args.enable_priority_scheduling,
                                            args.schedule_low_priority_values_first)
-        self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference)
+        self.sampler = make_sampler(runner.vocab_size, args.enable_deterministic_inference, device=runner.device)
         self.stop = StopChecker(tokenizer, runner.context_length)
         self.tokenizer = tokenizer
         self.grammars = GrammarQueue(tokenizer, runner.vocab_size, eos_ids, self.sampler)  # waiting for their grammar

@@ -415,3 +415,21 @@ def test_fused_norm_silu_and_rope_match_torch(k, dtype):
     heads = qkv[:, :768].view(4, 12, 64)  # a strided view, as the model passes q and k
     cos, sin = torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
     torch.testing.assert_close(k.rotary(heads, cos, sin), apply_rotary(heads, cos[:, None], sin[:, None]), **tol)
+
+
+def test_a_kernel_set_has_one_build_whatever_was_loaded_before():
+    """The build key of the fastcpu kernels is the same whether the invariant kernels were loaded first in the
+    process (a deterministic server, whose sampler loads fastcpu after them) or not. torch's loader appends to
+    the linker flags it is given: when it was given the module's own list, the second set's key changed and it
+    was compiled again, inside the server's first step."""
+    import subprocess
+    import sys
+
+    def fastcpu_module(first: list[str]) -> str:
+        code = ("from runtime.kernels.build import load_kernels\n"
+                f"for name in {first!r}: load_kernels(name)\n"
+                "print(load_kernels('fastcpu').__name__)")
+        return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                              timeout=600).stdout.strip()
+
+    assert fastcpu_module(["invariant"]) == fastcpu_module([])
