@@ -46,14 +46,15 @@ def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float
     return {"layer_ms": ms, "layers_ms": LAYERS * ms, "g_mac_s": macs / ms / 1e6}
 
 
-def decode_step(k: Any, batch: int, context: int, layers: int, g: torch.Generator) -> Callable[[], None]:
-    """A decode step's attention over ``layers`` layers' own pools: ``batch`` rows of ``context`` positions."""
+def decode_step(batch: int, context: int, layers: int, g: torch.Generator) -> Callable[[Any], None]:
+    """A decode step's attention over ``layers`` layers' own pools: ``batch`` rows of ``context`` positions, run
+    by the kernel module it is given (bench_kernel_ab.py hands it two builds in turn)."""
     layer_pools = [pools(batch * context + 64, g) for _ in range(layers)]
     index = torch.arange(batch * context).view(batch, context)
     lengths = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()
 
-    def step() -> None:
+    def step(k: Any) -> None:
         for kp, vp in layer_pools:
             k.decode_attention(q, kp, vp, index, None, lengths, SCALE, KV_HEADS)
 
@@ -62,18 +63,19 @@ def decode_step(k: Any, batch: int, context: int, layers: int, g: torch.Generato
 
 def decode(k: Any, batch: int, context: int, g: torch.Generator) -> dict[str, float]:
     """30 layers' pools read once each, as one decode step does."""
-    ms = median_ms(decode_step(k, batch, context, LAYERS, g), 15, warmup=3)
+    step = decode_step(batch, context, LAYERS, g)
+    ms = median_ms(lambda: step(k), 15, warmup=3)
     kv_bytes = LAYERS * 2 * batch * context * KV_HEADS * DIM * 2
     return {"step_ms": ms, "kv_mb": kv_bytes / 1e6, "gb_s": kv_bytes / ms / 1e6}
 
 
 def decode_in_cache_one_thread(k: Any, batch: int, context: int, g: torch.Generator) -> float:
     """One layer, called again and again (its KV stays in cache), on one thread: the kernel's arithmetic alone."""
-    step = decode_step(k, batch, context, 1, g)
+    step = decode_step(batch, context, 1, g)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return median_ms(step, 200, warmup=3)
+        return median_ms(lambda: step(k), 200, warmup=3)
     finally:
         torch.set_num_threads(threads)
 

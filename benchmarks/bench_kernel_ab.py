@@ -33,12 +33,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from bench_attention_kernels import DIM, HEADS, KV_HEADS, LAYERS, SCALE, decode_step, pools
 from engine_steps import cpu_simd, emit
 
 from runtime.kernels.build import HERE, build_kernels, load_kernels
 from runtime.models.packed import pack_weight
 
-HEADS, KV_HEADS, DIM, LAYERS, CONTEXT, VOCAB = 9, 3, 64, 30, 1065, 49152
+CONTEXT, VOCAB = 1065, 49152
 LINEAR_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate/up, down: [N, K]
 
 Case = Callable[[ModuleType], Any]
@@ -59,32 +60,26 @@ def kernels_at(rev: str, folder: Path) -> ModuleType:
 
 
 def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator) -> Case:
-    pools = [((torch.randn(batch * CONTEXT + 64, KV_HEADS * DIM, generator=g) * 0.5).bfloat16(),
-              torch.randn(batch * CONTEXT + 64, KV_HEADS * DIM, generator=g).bfloat16()) for _ in range(layers)]
-    index = torch.arange(batch * CONTEXT).view(batch, CONTEXT)
-    lengths = torch.full((batch,), CONTEXT)
-    q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()
+    step = decode_step(batch, CONTEXT, layers, g)
 
     def run(k: ModuleType) -> None:
         for _ in range(repeats):
-            for kp, vp in pools:
-                k.decode_attention(q, kp, vp, index, None, lengths, DIM ** -0.5, KV_HEADS)
+            step(k)
 
     return run
 
 
 def shared_case(k_this: ModuleType, g: torch.Generator) -> Case:
     prefix, slots = 1050, 4096
-    pools = [((torch.randn(slots, KV_HEADS * DIM, generator=g) * 0.5).bfloat16(),
-              torch.randn(slots, KV_HEADS * DIM, generator=g).bfloat16()) for _ in range(LAYERS)]
+    layer_pools = [pools(slots, g) for _ in range(LAYERS)]
     index = torch.randperm(slots, generator=g)[:prefix].sort().values
-    packs = [k_this.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in pools]
+    packs = [k_this.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools]
     q = torch.randn(8, HEADS, DIM, generator=g).bfloat16()
     lengths = torch.full((8,), prefix, dtype=torch.int64)
 
     def run(k: ModuleType) -> None:
-        for (kp, vp), pack in zip(pools, packs):
-            k.extend_attention(q, kp, vp, index, lengths, DIM ** -0.5, KV_HEADS, pack)
+        for (kp, vp), pack in zip(layer_pools, packs):
+            k.extend_attention(q, kp, vp, index, lengths, SCALE, KV_HEADS, pack)
 
     return run
 
