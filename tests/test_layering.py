@@ -15,7 +15,7 @@ PACKAGES = ("radix", "runtime", "frontend", "router")
 
 # unit -> floor. A unit is a package (runtime.<sub>) or a top-level runtime module; most specific wins.
 FLOORS: dict[str, int] = {
-    "radix": 0, "runtime.config": 0, "runtime.logging_setup": 0,
+    "radix": 0, "runtime.config": 0, "runtime.logging_setup": 0, "runtime.build_cache": 0,
     "runtime.core": 1, "runtime.kernels": 1, "runtime.distributed": 1,
     "runtime.constrained": 2, "runtime.attention": 2,
     "runtime.models": 3, "runtime.parsers": 3, "runtime.request": 3,

@@ -1,8 +1,15 @@
 """Compile and load a C++ kernel module shipped with the package, once per machine.
 
-The build goes to ``~/.cache/radixserve/kernels/<name>-<hash of source, torch version and CPU flags>``,
-so a changed source, another torch or another host CPU gets its own build, and a second process finds
-the finished one (``cpp_extension`` serialises concurrent builds of one directory with a file lock).
+The build goes to ``<cache root>/kernels/<name>-<hash of source, torch version and CPU flags>`` (the cache root
+of ``runtime.build_cache``: ``~/.cache/radixserve`` by default), so a changed source, another torch or another
+host CPU gets its own build, and a second process finds the finished one.
+
+Concurrent builds of one directory: ``cpp_extension`` serialises them with a lock *file* that it deletes when
+it is done, so a process killed mid-compile (Ctrl-C during the first start, a test's timeout) leaves the file
+behind and every later load of that kernel set would wait for it forever. Loads therefore go through
+``build_cache.making``'s lock first, which dies with its holder: while it is held no other radixserve process is
+compiling there, and a torch lock file found then is stale and is removed.
+
 Needs a C++ compiler (``c++``/``g++``) and ninja; without them a :class:`KernelBuildError` says so.
 """
 
@@ -20,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from runtime.build_cache import cache_root, making
 from runtime.config import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -41,10 +49,6 @@ SOURCES = {"invariant": ["invariant.cpp"],
 
 class KernelBuildError(RuntimeError):
     """A native kernel module could not be compiled or loaded here."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve")) / "kernels"
 
 
 def _ninja_on_path() -> None:
@@ -81,37 +85,57 @@ def load_kernels(name: str) -> ModuleType:
     return build_kernels(name, HERE)
 
 
+def build_key(name: str, source_dir: Path) -> str:
+    """The build key of kernel set ``name`` from the sources in ``source_dir`` on this host and torch."""
+    sources = [source_dir / f for f in SOURCES[name]]
+    headers = sorted(source_dir.glob("*.h"))
+    text = b"".join(p.read_bytes() for p in [*sources, *headers])
+    host = " ".join(sorted(cpu_flags())) or platform.processor()
+    return hashlib.sha256(text + torch.__version__.encode() + host.encode()
+                          + " ".join(CFLAGS[name] + LDFLAGS).encode()).hexdigest()[:16]
+
+
+def build_dir(name: str, key: str) -> Path:
+    """Where the build of kernel set ``name`` with key ``key`` lives."""
+    return cache_root() / "kernels" / f"{name}-{key}"
+
+
 def build_kernels(name: str, source_dir: Path) -> ModuleType:
     """Build (if needed) and import the kernel set ``name`` from the sources in ``source_dir``: this package's
     (``load_kernels``), or another revision's, which ``benchmarks/bench_kernel_ab.py`` loads beside these to
     time both in one process. Builds are keyed by their sources, so the two never overwrite each other."""
-    from torch.utils import cpp_extension
-
-    sources = [source_dir / f for f in SOURCES[name]]
-    headers = sorted(source_dir.glob("*.h"))
-    text = b"".join(p.read_bytes() for p in [*sources, *headers])
-    flags = CFLAGS[name]
-    host = " ".join(sorted(cpu_flags())) or platform.processor()
-    key = hashlib.sha256(text + torch.__version__.encode() + host.encode()
-                         + " ".join(flags + LDFLAGS).encode()).hexdigest()[:16]
-    build_dir = cache_root() / f"{name}-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    key = build_key(name, source_dir)
+    folder = build_dir(name, key)
+    folder.mkdir(parents=True, exist_ok=True)
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelBuildError(f"building the {name} kernels needs a C++ compiler (c++/g++ on PATH; on "
                                "Debian/Ubuntu: apt-get install g++)")
     _ninja_on_path()
-    sources = _stage(sources, headers, build_dir / "src")
-    fresh = not any(build_dir.glob("*.so"))
+    with making(folder / "radixserve.lock", f"the {name} kernels"):
+        baton = folder / "lock"  # cpp_extension's; nobody else is building here now, so it is a dead build's
+        if baton.exists():
+            logger.warning("removing %s, left by a build of the %s kernels that did not finish", baton, name)
+            baton.unlink(missing_ok=True)
+        return _compile_and_load(name, key, source_dir, folder)
+
+
+def _compile_and_load(name: str, key: str, source_dir: Path, folder: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    headers = sorted(source_dir.glob("*.h"))
+    sources = _stage([source_dir / f for f in SOURCES[name]], headers, folder / "src")
+    flags = CFLAGS[name]
+    fresh = not any(folder.glob("*.so"))
     t0 = time.perf_counter()
     if fresh:
-        logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, build_dir)
+        logger.info("compiling the %s CPU kernels (once per machine, ~1 min) into %s", name, folder)
     try:
         # Copies of the flag lists: load() appends torch's library paths to extra_ldflags in place, which put the
         # first build's venv path into the key of every kernel set loaded after it in the same process (another
         # build directory, compiled again: ~70 s inside a deterministic server's first step).
         module = cpp_extension.load(name=f"radixserve_{name}_{key}", sources=[str(p) for p in sources],
                                     extra_cflags=list(flags), extra_ldflags=list(LDFLAGS),
-                                    build_directory=str(build_dir), verbose=False)
+                                    build_directory=str(folder), verbose=False)
     except Exception as exc:  # compiler errors, a missing ninja, a failed import of the built library
         raise KernelBuildError(f"could not build the {name} kernels: {exc}") from exc
     if fresh:

