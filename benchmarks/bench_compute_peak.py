@@ -1,0 +1,166 @@
+"""The CPU's multiply-add roof per instruction the kernels use, and where the linear kernels stand against it.
+
+The weight-streaming floor (``runtime/bench/floor.py``) bounds a step that is bound by memory. A step with many
+rows (a prefill, a mixed step, a batch-8 decode step on two cores) is bound by arithmetic instead, and its floor
+is its multiply-adds over the rate the instructions can retire. This compiles a loop of 16 independent
+accumulators per instruction, runs it on 1 and on ``--threads`` threads, and reports multiply-adds per second:
+
+- ``vpdpbusd`` (AVX512-VNNI, 64 int8 multiply-adds per instruction): the int8 linear kernel's;
+- ``vdpbf16ps`` (AVX512_BF16, 32 bf16 multiply-adds summed in fp32): the bf16 linear and attention kernels';
+- ``vfmadd231ps`` (16 fp32 multiply-adds): the float32 kernels'.
+
+Then the model's linear layers (SmolLM2-135M's four shapes, 4 layers' worth) through ``PackedLinear`` at several
+row counts, in int8 and bf16, as multiply-adds per second and as a share of that format's roof.
+
+    python benchmarks/bench_compute_peak.py [--threads 2] [--rows 1 8 16 64 169] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from bench_kernel_ab import LINEAR_SHAPES
+from engine_steps import cpu_simd, emit
+
+from runtime.kernels.build import load_kernels
+from runtime.models.packed import pack_weight
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#define ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+
+// Multiply-adds per second of one thread running `iters` rounds of 16 independent instructions.
+static double one_thread(const std::string& kind, int64_t iters) {
+  const auto t0 = std::chrono::steady_clock::now();
+  double macs = 0;
+  float sink = 0;
+#if defined(__AVX512VNNI__)
+  if (kind == "vpdpbusd") {
+    const __m512i w = _mm512_set1_epi32(0x01010101), x = _mm512_set1_epi32(0x02020202);
+#define INIT(i) __m512i a##i = _mm512_set1_epi32(i);
+#define STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, x);
+#define SUM(i) sink += _mm512_reduce_add_epi32(a##i);
+    ALL(INIT)
+    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
+    ALL(SUM)
+#undef INIT
+#undef STEP
+#undef SUM
+    macs = 16.0 * 64 * iters;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (kind == "vdpbf16ps") {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+#define INIT(i) __m512 a##i = _mm512_set1_ps(i);
+#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, w);
+#define SUM(i) sink += _mm512_reduce_add_ps(a##i);
+    ALL(INIT)
+    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
+    ALL(SUM)
+#undef INIT
+#undef STEP
+#undef SUM
+    macs = 16.0 * 32 * iters;
+  }
+#endif
+#if defined(__AVX512F__)
+  if (kind == "vfmadd231ps") {
+    const __m512 w = _mm512_set1_ps(1.0f), x = _mm512_set1_ps(1e-9f);
+#define INIT(i) __m512 a##i = _mm512_set1_ps(i);
+#define STEP(i) a##i = _mm512_fmadd_ps(w, x, a##i);
+#define SUM(i) sink += _mm512_reduce_add_ps(a##i);
+    ALL(INIT)
+    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
+    ALL(SUM)
+#undef INIT
+#undef STEP
+#undef SUM
+    macs = 16.0 * 16 * iters;
+  }
+#endif
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (sink == 42.0f) macs += 1;  // keeps the accumulators live
+  return macs / s;
+}
+
+// Summed over `threads` threads at once; 0 where this build's target lacks the instruction.
+double peak_macs(const std::string& kind, int64_t iters, int64_t threads) {
+  std::vector<double> rate(threads);
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) pool.emplace_back([&, t] { rate[t] = one_thread(kind, iters); });
+  for (auto& th : pool) th.join();
+  double total = 0;
+  for (double r : rate) total += r;
+  return total;
+}
+"""
+
+KINDS = {"int8": "vpdpbusd", "bfloat16": "vdpbf16ps", "float32": "vfmadd231ps"}
+
+
+def probe_module() -> Any:
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline("radixserve_bench_compute_peak", cpp_sources=SOURCE, functions=["peak_macs"],
+                       extra_cflags=["-O2", "-march=native"], verbose=False)
+
+
+def linear_rate(fmt: str, rows: int, g: torch.Generator) -> float:
+    """Multiply-adds per second of 4 layers' linear layers through PackedLinear at ``rows`` rows (median of 7)."""
+    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+    k = load_kernels("fastcpu")
+    weights = [pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for _ in range(4)
+               for n, kk in LINEAR_SHAPES]
+    lins = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in weights]
+    xs = {kk: torch.randn(rows, kk, generator=g).bfloat16() for _, kk in LINEAR_SHAPES}
+
+    def run() -> None:
+        for lin, w in zip(lins, weights):
+            lin.run(xs[w.in_features], None, None)
+
+    run()
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return rows * 4 * sum(n * kk for n, kk in LINEAR_SHAPES) / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="Threads of the roof probe and of the kernels.")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 169], help="Row counts of the linears.")
+    ap.add_argument("--json", help="Save the result here.")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    mod = probe_module()
+    roof: dict[str, dict[str, float]] = {}
+    for kind in KINDS.values():
+        rates = {f"{n} thread(s)": mod.peak_macs(kind, 20_000_000, n) / 1e9 for n in sorted({1, args.threads})}
+        roof[kind] = {k: round(v, 1) for k, v in rates.items()}
+    fast = load_kernels("fastcpu")
+    linears: dict[str, dict[str, Any]] = {}
+    g = torch.Generator().manual_seed(0)
+    for fmt, available in (("int8", fast.int8_vnni()), ("bfloat16", fast.bf16_dot())):
+        if not available:
+            continue
+        top = roof[KINDS[fmt]][f"{args.threads} thread(s)"]
+        for rows in args.rows:
+            rate = linear_rate(fmt, rows, g) / 1e9
+            linears[f"{fmt}, {rows} row(s)"] = {"g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3)}
+    emit({"cpu": cpu_simd(), "threads": args.threads, "roof_g_mac_s": roof, "linears": linears}, args.json)
+
+
+if __name__ == "__main__":
+    main()
