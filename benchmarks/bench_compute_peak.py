@@ -10,9 +10,12 @@ accumulators per instruction, runs it on 1 and on ``--threads`` threads, and rep
 - ``vfmadd231ps`` (16 fp32 multiply-adds): the float32 kernels'.
 
 Then the model's linear layers (SmolLM2-135M's four shapes, 4 layers' worth) through ``PackedLinear`` at several
-row counts, in int8 and bf16, as multiply-adds per second and as a share of that format's roof.
+row counts, in int8 and bf16, as multiply-adds per second and as a share of that format's roof; and int8 at the
+largest row count with coarser activation blocks than the runtime's 32, which shows what the per-block rescaling
+of the integer sums costs (a coarser block changes the numerics: it is a measurement, not an option).
 
-    python benchmarks/bench_compute_peak.py [--threads 2] [--rows 1 8 16 64 169] [--json out.json]
+    python benchmarks/bench_compute_peak.py [--threads 2] [--rows 1 8 16 64 169] [--act-blocks 64 128 0]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -115,13 +118,14 @@ def probe_module() -> Any:
                        extra_cflags=["-O2", "-march=native"], verbose=False)
 
 
-def linear_rate(fmt: str, rows: int, g: torch.Generator) -> float:
-    """Multiply-adds per second of 4 layers' linear layers through PackedLinear at ``rows`` rows (median of 7)."""
+def linear_rate(fmt: str, rows: int, g: torch.Generator, act_block: int = 32) -> float:
+    """Multiply-adds per second of 4 layers' linear layers through PackedLinear at ``rows`` rows (median of 7);
+    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
     layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
     k = load_kernels("fastcpu")
     weights = [pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for _ in range(4)
                for n, kk in LINEAR_SHAPES]
-    lins = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in weights]
+    lins = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, act_block) for w in weights]
     xs = {kk: torch.randn(rows, kk, generator=g).bfloat16() for _, kk in LINEAR_SHAPES}
 
     def run() -> None:
@@ -141,6 +145,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="Threads of the roof probe and of the kernels.")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 169], help="Row counts of the linears.")
+    ap.add_argument("--act-blocks", type=int, nargs="*", default=[64, 128, 0],
+                    help="Other int8 activation blocks to time at the largest row count (what the per-block rescaling "
+                         "costs; 0: one scale per row). The runtime uses 32.")
     ap.add_argument("--json", help="Save the result here.")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -159,6 +166,12 @@ def main() -> None:
         for rows in args.rows:
             rate = linear_rate(fmt, rows, g) / 1e9
             linears[f"{fmt}, {rows} row(s)"] = {"g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3)}
+        if fmt == "int8":
+            rows = max(args.rows)
+            for block in args.act_blocks:
+                rate = linear_rate(fmt, rows, g, block) / 1e9
+                linears[f"int8, {rows} row(s), activation block {block or 'whole row'}"] = {
+                    "g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3)}
     emit({"cpu": cpu_simd(), "threads": args.threads, "roof_g_mac_s": roof, "linears": linears}, args.json)
 
 
