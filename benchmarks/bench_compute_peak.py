@@ -26,11 +26,10 @@ import time
 from typing import Any
 
 import torch
-from bench_kernel_ab import LINEAR_SHAPES
+from bench_kernel_ab import LINEAR_SHAPES, linear_case
 from engine_steps import cpu_simd, emit
 
 from runtime.kernels.build import load_kernels
-from runtime.models.packed import pack_weight
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -121,22 +120,13 @@ def probe_module() -> Any:
 def linear_rate(fmt: str, rows: int, g: torch.Generator, act_block: int = 32) -> float:
     """Multiply-adds per second of 4 layers' linear layers through PackedLinear at ``rows`` rows (median of 7);
     ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
-    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+    run = linear_case(fmt, rows, g, layers=4, act_block=act_block)
     k = load_kernels("fastcpu")
-    weights = [pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for _ in range(4)
-               for n, kk in LINEAR_SHAPES]
-    lins = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, act_block) for w in weights]
-    xs = {kk: torch.randn(rows, kk, generator=g).bfloat16() for _, kk in LINEAR_SHAPES}
-
-    def run() -> None:
-        for lin, w in zip(lins, weights):
-            lin.run(xs[w.in_features], None, None)
-
-    run()
+    run(k)
     times = []
     for _ in range(7):
         t = time.perf_counter()
-        run()
+        run(k)
         times.append(time.perf_counter() - t)
     return rows * 4 * sum(n * kk for n, kk in LINEAR_SHAPES) / statistics.median(times)
 

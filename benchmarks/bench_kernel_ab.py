@@ -84,16 +84,18 @@ def shared_case(k_this: ModuleType, g: torch.Generator) -> Case:
     return run
 
 
-def linear_case(fmt: str, rows: int, g: torch.Generator) -> Case:
+def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, act_block: int = 32) -> Case:
+    """``layers`` decoder layers' linear layers at ``rows`` rows, run by the kernel module it is given;
+    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
     layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
     weights = [pack_weight(torch.randn(n, k, generator=g) * 0.05, fmt, layout)
-               for _ in range(LAYERS) for n, k in LINEAR_SHAPES]
+               for _ in range(layers) for n, k in LINEAR_SHAPES]
     xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in LINEAR_SHAPES}
     built: dict[int, list[Any]] = {}
 
     def run(k: ModuleType) -> None:
         if id(k) not in built:  # each build's own PackedLinear objects over the same packed weights
-            built[id(k)] = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in weights]
+            built[id(k)] = [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, act_block) for w in weights]
         for lin, w in zip(built[id(k)], weights):
             lin.run(xs[w.in_features], None, None)
 

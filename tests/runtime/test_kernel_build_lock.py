@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ with making(folder / "radixserve.lock", "the invariant kernels"):
 
 
 @pytest.fixture
-def folder() -> Path:
+def folder() -> Iterator[Path]:
     out = build_dir("invariant", build_key("invariant", HERE))
     out.mkdir(parents=True, exist_ok=True)
     yield out
