@@ -67,11 +67,12 @@ def test_same_greedy_results(endpoint, engine_backend) -> None:
 def test_engine_streaming_and_cache_info(engine_backend) -> None:
     @sgl.function
     def prog(s):
-        s += "Once upon a time" + sgl.gen("x", max_tokens=6, ignore_eos=True)
+        s += "Once upon a time" + sgl.gen("x", max_tokens=48, ignore_eos=True)
 
     meter = sgl.CacheMeter(engine_backend)
     state = prog.run(backend=engine_backend, stream=True, temperature=0)
     chunks = list(state.text_iter("x"))
+    # frames that arrive while the reader is busy merge, so the count depends on timing: 48 steps leave room
     assert "".join(chunks) == state["x"] and len(chunks) >= 2
     prog.run(backend=engine_backend, temperature=0).sync()
     assert meter.hit_rate() is not None

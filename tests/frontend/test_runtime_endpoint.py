@@ -116,10 +116,12 @@ def test_streaming_text_iter(endpoint) -> None:
     @sgl.function
     def prog(s):
         s += sgl.user("Tell me a story")
-        s += sgl.assistant(sgl.gen("story", max_tokens=8, ignore_eos=True))
+        s += sgl.assistant(sgl.gen("story", max_tokens=48, ignore_eos=True))
 
     state = prog.run(backend=endpoint, stream=True, temperature=0)
     chunks = list(state.text_iter("story"))
+    # Outputs that arrive while the reader is busy merge into one frame, so the count of chunks depends on
+    # timing; over 48 decode steps a reader that keeps up at all sees more than one.
     assert len(chunks) >= 2 and "".join(chunks) == state["story"]
     state2 = prog.run(backend=endpoint, stream=True, temperature=0)
     assert "".join(state2.text_iter()) == state2.text()
