@@ -1,6 +1,7 @@
 """The CPU forward pass against its floor and against transformers, per weight format, in one run.
 
-For float32, bfloat16 and int8 (weight-only) weights, on the default model:
+For float32, bfloat16 and int8 (weight-only) weights, the latter two also over the int8 KV cache (``+kv8``), on
+the default model:
 
 - the weight-streaming floor of a decode step (bytes of weights read / streaming bandwidth measured now);
 - decode step ms at batch 1, 8 and 32 over ~1k-token contexts (whole scheduler steps) and the ratio to
@@ -17,7 +18,8 @@ of its threads exist than cores it stops spinning between regions (each wakes by
 main thread next to the scheduler thread's made every decode step ~2x slower. A thread's team ends with it,
 so the scheduler thread's team is the only one, as in the server's scheduler process.
 
-    python benchmarks/bench_cpu_forward.py [--context 1000] [--formats float32 bfloat16 int8] [--json out.json]
+    python benchmarks/bench_cpu_forward.py [--context 1000] [--formats float32 bfloat16 int8 int8+kv8 ...]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,14 +36,13 @@ import torch
 from engine_steps import cpu_simd, decode_step_ms, emit
 
 from runtime.bench.floor import stream_bandwidth, weight_bytes, weight_floor
+from runtime.bench.quality import FORMATS
 from runtime.config import cpu_has_native_bf16
 from runtime.engine import Engine
 from runtime.models.loader import resolve_model_path
 
 T = TypeVar("T")
 
-FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"quantization": "int8"}}  # as the flag alone gives it: activations and KV in the default dtype
 
 
 class Timers:

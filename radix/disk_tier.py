@@ -6,7 +6,7 @@ size above it) aligned at multiples of ``block_tokens`` from the start of the se
 chained hash ``chain_hashes(root_hash(namespace), key, 4 * block_tokens)`` of ``radix.events``: the hash
 covers the block's whole prefix and namespace, so one name is one prefix, and a restarted server finds a
 conversation's blocks by hashing its prompt. A block's payload is its KV for every layer and every KV head,
-shaped ``[layers, 2 (K, V), block_tokens, kv_heads, head_dim]`` in the device pool's dtype; the device pool
+shaped ``[layers, 2 (K, V), block_tokens, kv_heads, row_dim]`` in the device pool's dtype and format; the device pool
 is read and written through ``KVPages``, which gathers a tensor-parallel pool's heads from its ranks.
 
 Writes (``offer``) happen when the tree caches a request's tokens. The blocks not on disk yet are gathered
@@ -132,7 +132,7 @@ class DiskTier:
         self.store = store
         self.shape = shape
         self.block_tokens = disk_block_tokens(page_size)
-        self.block_shape = (shape.num_layers, 2, self.block_tokens, shape.num_kv_heads, shape.head_dim)
+        self.block_shape = (shape.num_layers, 2, self.block_tokens, shape.num_kv_heads, shape.row_dim)
         self.block_bytes = shape.bytes_per_token * self.block_tokens
         self.queue_bytes = queue_bytes
         self.counters = DiskTierCounters()
@@ -223,7 +223,7 @@ class DiskTier:
         ``place`` must copy what it needs before it returns."""
         if self._staging is None:  # the largest block file of this layout: its header, then its payload
             self._staging = bytearray(header_length(len(self.block_shape)) + self.block_bytes)
-        want = dtype_name(self.shape.dtype)
+        want = dtype_name(self.shape.storage_dtype)
         for i, h in enumerate(hashes):
             block = self.store.get(h, self._staging)
             if block is None:

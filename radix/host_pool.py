@@ -107,13 +107,13 @@ class HostKVPool:
         self.shape = shape
         self.page_size = page_size
         self.allocator = PagedAllocator(capacity_tokens, page_size)
-        dims = (shape.num_layers, self.allocator.total_slots, shape.num_kv_heads, shape.head_dim)
+        dims = (shape.num_layers, self.allocator.total_slots, shape.num_kv_heads, shape.row_dim)
         self.pinned = pin_memory
         if pin_memory:  # page-locked for CUDA copies: allocated (and touched) up front
-            self.k_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=True)
-            self.v_buffer = torch.zeros(dims, dtype=shape.dtype, pin_memory=True)
+            self.k_buffer = torch.zeros(dims, dtype=shape.storage_dtype, pin_memory=True)
+            self.v_buffer = torch.zeros(dims, dtype=shape.storage_dtype, pin_memory=True)
         else:
-            self.k_buffer, self.v_buffer = zeroed(dims, shape.dtype), zeroed(dims, shape.dtype)
+            self.k_buffer, self.v_buffer = zeroed(dims, shape.storage_dtype), zeroed(dims, shape.storage_dtype)
         self._stream: torch.cuda.Stream | None = None
         self._pending: deque[_CudaBackup] = deque()  # CUDA backups whose rows are not in the buffers yet
 
@@ -227,8 +227,8 @@ class HostKVPool:
         device = storage.k_buffer.device
         n = int(host_slots.numel())
         s = self.shape
-        k_host = torch.empty((s.num_layers, n, s.num_kv_heads, s.head_dim), dtype=s.dtype, pin_memory=True)
-        v_host = torch.empty(k_host.shape, dtype=s.dtype, pin_memory=True)
+        k_host = torch.empty((s.num_layers, n, s.num_kv_heads, s.row_dim), dtype=s.storage_dtype, pin_memory=True)
+        v_host = torch.empty(k_host.shape, dtype=s.storage_dtype, pin_memory=True)
         gather_slots(self.k_buffer, host_slots, out=k_host)
         gather_slots(self.v_buffer, host_slots, out=v_host)
         stream = self._side_stream(device)

@@ -3,8 +3,11 @@
 Layout (the same for every layer, chosen so that CPU gathers and FlashInfer's paged kernels read the
 same memory without copies)::
 
-    k_buffer[layer] : [total_slots, num_kv_heads, head_dim]      ("NHD", token-major)
-    v_buffer[layer] : [total_slots, num_kv_heads, head_dim]
+    k_buffer[layer] : [total_slots, num_kv_heads, row_dim]      ("NHD", token-major)
+    v_buffer[layer] : [total_slots, num_kv_heads, row_dim]
+
+``row_dim`` is the head dim, in the model's dtype; in the int8 format (``kv_int8``) it is the head dim's int8
+values followed by their float32 scale's 4 bytes.
 
 Slot ``s`` is row ``s``; page ``p`` is rows ``p*page_size .. p*page_size + page_size - 1``, so
 ``paged_view(layer)`` is a free reshape to ``[num_pages + 1, page_size, num_kv_heads, head_dim]``, the
@@ -25,19 +28,31 @@ from typing import Protocol
 
 import torch
 
+from radix.kv_int8 import SCALE_BYTES, quantize
+
 
 @dataclass(frozen=True)
 class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the model's: what new K and V arrive in and attention computes in
+    int8: bool = False  # stored in the int8 format (``kv_int8``: values and a scale per token and KV head)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of the pool's tensors."""
+        return torch.int8 if self.int8 else self.dtype
+
+    @property
+    def row_dim(self) -> int:
+        """Elements of one (token, KV head) row in the pool: the head dim, plus the scale's bytes in int8."""
+        return self.head_dim + SCALE_BYTES if self.int8 else self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token's K and V take across all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.row_dim * self.storage_dtype.itemsize
 
     def tokens_for_bytes(self, budget_bytes: int, page_size: int = 1) -> int:
         """Largest page-aligned token capacity whose storage (plus the reserved page) fits the budget."""
@@ -63,7 +78,7 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
 
 
 def gather_slots(buffer: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``buffer.index_select(1, slots)`` for a contiguous ``[layers, slots, kv_heads, head_dim]`` buffer (into
+    """``buffer.index_select(1, slots)`` for a contiguous ``[layers, slots, kv_heads, row_dim]`` buffer (into
     ``out`` when given), taken through a view whose rows are whole slots: torch's CPU ``index_select`` over
     an inner dimension of a 4-D tensor moves one element at a time, ~10x slower than whole rows."""
     layers, total, heads, dim = buffer.shape
@@ -92,7 +107,7 @@ class KVPages(Protocol):
         """Where ``read`` returns its tensors."""
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``slots``, each ``[layers, len(slots), kv_heads, head_dim]`` (new tensors)."""
+        """K and V of ``slots``, each ``[layers, len(slots), kv_heads, row_dim]`` (new tensors, stored format)."""
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k`` and ``v`` (shaped as ``read`` returns them, on any device) into ``slots``."""
@@ -109,9 +124,9 @@ class KVStorage:
         self.shape = shape
         self.page_size = page_size
         self.total_slots = total_slots
-        dims = (shape.num_layers, total_slots, shape.num_kv_heads, shape.head_dim)
-        self.k_buffer = zeroed(dims, shape.dtype, device)
-        self.v_buffer = zeroed(dims, shape.dtype, device)
+        dims = (shape.num_layers, total_slots, shape.num_kv_heads, shape.row_dim)
+        self.k_buffer = zeroed(dims, shape.storage_dtype, device)
+        self.v_buffer = zeroed(dims, shape.storage_dtype, device)
 
     @property
     def nbytes(self) -> int:
@@ -141,11 +156,17 @@ class KVStorage:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the K/V of new tokens (``[n, num_kv_heads, head_dim]``) into their slots."""
-        self.k_buffer[layer].index_copy_(0, slots, k.to(self.shape.dtype))
-        self.v_buffer[layer].index_copy_(0, slots, v.to(self.shape.dtype))
+        self.k_buffer[layer].index_copy_(0, slots, self.encode(k))
+        self.v_buffer[layer].index_copy_(0, slots, self.encode(v))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V rows ``[..., head_dim]`` as the pool stores them (``[..., row_dim]`` of its dtype)."""
+        return quantize(x) if self.shape.int8 else x.to(self.shape.dtype)
 
     def paged_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as ``[num_pages, page_size, heads, head_dim]`` views (no copy)."""
         s = self.shape
+        if s.int8:
+            raise ValueError("the int8 KV format has no paged view of plain rows (its rows carry their scales)")
         view = (self.total_slots // self.page_size, self.page_size, s.num_kv_heads, s.head_dim)
         return self.k_buffer[layer].view(view), self.v_buffer[layer].view(view)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radix.kv_int8 import dequantize
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.cascade import (
     CascadePolicy,
@@ -122,7 +123,7 @@ class TorchNativeBackend(AttentionBackend):
         dec = meta.decode
         if casc is not None:  # every row in a group, in order (then meta.decode is None): see forward
             if dec is not None or casc.rows is not None or casc.prefills or not self.paged.gemm_shared(
-                    batch.kv.shape.dtype):
+                    batch.kv.shape.storage_dtype):
                 return None
             dec = casc.decode
             shared = [SharedRead(p.start, p.end, p.slots, self._prefix_packs(batch, p)) for p in casc.shared]
@@ -166,8 +167,20 @@ class TorchNativeBackend(AttentionBackend):
             out.index_copy_(0, casc.rows, self._cascade(q.index_select(0, casc.rows), k_pool, v_pool, casc, layer_id))
         return out.to(in_dtype)
 
-    def _gather(self, pool: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
-        """Rows ``index`` of a 2-D pool view, copied into the reusable workspace ``name``."""
+    def _gather(self, pool: torch.Tensor, index: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` of a 2-D pool view as ``[n, Hkv * D]`` in ``dtype``: copied into the reusable workspace
+        ``name``, then, from an int8 pool, dequantised (:meth:`_plain`)."""
+        return self._plain(self._gather_stored(pool, index, name), dtype)
+
+    def _plain(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Pool rows ``[n, Hkv * row_dim]`` as ``[n, Hkv * D]`` in ``dtype``: the same tensor unless they are int8."""
+        if rows.dtype != torch.int8:
+            return rows
+        n, hkv = rows.shape[0], self.shape.num_kv_heads
+        return dequantize(rows.view(n, hkv, -1), dtype).view(n, hkv * self.shape.head_dim)
+
+    def _gather_stored(self, pool: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
+        """Rows ``index`` of a 2-D pool view, copied as stored into the reusable workspace ``name``."""
         rows, cols = index.numel(), pool.shape[1]
         size = rows * cols
         buf = self._workspace.get(name)
@@ -178,12 +191,13 @@ class TorchNativeBackend(AttentionBackend):
         out = buf[:size].view(rows, cols)
         return torch.index_select(pool, 0, index, out=out)
 
-    def _decode_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   dec: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode group's padded K and V as ``[B, Hkv, L, D]`` views of the workspace."""
+    def _decode_kv(self, k_pool: torch.Tensor, v_pool: torch.Tensor, dec: DecodeGroup,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode group's padded K and V in ``dtype`` as ``[B, Hkv, L, D]`` views (of the workspace, unless
+        dequantised)."""
         b, hkv, d = dec.batch_size, self.shape.num_kv_heads, self.shape.head_dim
-        k = self._gather(k_pool, dec.kv_index, "k").view(b, dec.max_len, hkv, d).transpose(1, 2)
-        v = self._gather(v_pool, dec.kv_index, "v").view(b, dec.max_len, hkv, d).transpose(1, 2)
+        k = self._gather(k_pool, dec.kv_index, "k", dtype).view(b, dec.max_len, hkv, d).transpose(1, 2)
+        v = self._gather(v_pool, dec.kv_index, "v", dtype).view(b, dec.max_len, hkv, d).transpose(1, 2)
         return k, v
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -193,7 +207,7 @@ class TorchNativeBackend(AttentionBackend):
         if self.paged is not None and dec.lengths is not None:
             out, _lse = self.paged.run(q, k_pool, v_pool, dec.kv_index.view(b, -1), dec.lengths)
             return out.to(q.dtype)
-        k, v = self._decode_kv(k_pool, v_pool, dec)
+        k, v = self._decode_kv(k_pool, v_pool, dec, q.dtype)
         o = F.scaled_dot_product_attention(q.reshape(b, hkv, self.group, d), k, v, attn_mask=dec.mask,
                                            scale=self.shape.scale)
         return o.reshape(b, self.shape.num_heads, d)  # SDPA may return a transposed layout
@@ -203,20 +217,22 @@ class TorchNativeBackend(AttentionBackend):
         """``[Hkv, G, E, D]`` queries against ``[Hkv, G (stride 0), S, D]`` keys/values of one chunk."""
         e, s = q.shape[0], chunk.kv_index.numel()
         hkv, g, d = self.shape.num_kv_heads, self.group, self.shape.head_dim
-        k = self._gather(k_pool, chunk.kv_index, "k").view(s, hkv, d).transpose(0, 1)
-        v = self._gather(v_pool, chunk.kv_index, "v").view(s, hkv, d).transpose(0, 1)
+        k = self._gather(k_pool, chunk.kv_index, "k", q.dtype).view(s, hkv, d).transpose(0, 1)
+        v = self._gather(v_pool, chunk.kv_index, "v", q.dtype).view(s, hkv, d).transpose(0, 1)
         q4 = q.reshape(e, hkv, g, d).permute(1, 2, 0, 3)
         return q4, k.unsqueeze(1).expand(hkv, g, s, d), v.unsqueeze(1).expand(hkv, g, s, d)
 
-    def _extend_in_place(self, tokens: int, dtype: torch.dtype) -> bool:
-        """Whether a prefill chunk of ``tokens`` new tokens reads the pool in place (``paged.extend``)."""
-        return self.paged is not None and (tokens <= IN_PLACE_EXTEND_MAX or self.paged.gemm(tokens, dtype))
+    def _extend_in_place(self, q: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether a prefill chunk of new tokens ``q`` reads the pool in place (``paged.extend``)."""
+        tokens = q.shape[0]
+        return self.paged is not None and (tokens <= IN_PLACE_EXTEND_MAX
+                                           or self.paged.gemm(tokens, self.paged.rows_dtype(pool, q)))
 
     def _prefill(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, chunk: PrefillChunk,
                  out: torch.Tensor) -> None:
         """q ``[E, H, D]`` of one request; writes ``[E, H, D]`` into ``out``."""
         e, hkv, g, d = q.shape[0], self.shape.num_kv_heads, self.group, self.shape.head_dim
-        if self._extend_in_place(e, k_pool.dtype):
+        if self._extend_in_place(q, k_pool):
             assert self.paged is not None
             o_rows, _lse = self.paged.extend(q, k_pool, v_pool, chunk.kv_index, chunk.kv_index.numel() - e)
             out.copy_(o_rows)
@@ -241,9 +257,10 @@ class TorchNativeBackend(AttentionBackend):
                 self.paged.merge(out[part.start : part.end], lse[part.start : part.end], o_sh, lse_sh)
                 continue
             if part.kv_start is not None:
-                k, v = k_pool.narrow(0, part.kv_start, p), v_pool.narrow(0, part.kv_start, p)
+                k = self._plain(k_pool.narrow(0, part.kv_start, p), q.dtype)
+                v = self._plain(v_pool.narrow(0, part.kv_start, p), q.dtype)
             else:
-                k, v = self._gather(k_pool, part.slots, "k"), self._gather(v_pool, part.slots, "v")
+                k, v = self._gather(k_pool, part.slots, "k", q.dtype), self._gather(v_pool, part.slots, "v", q.dtype)
             # KV head = batch; the G heads of all n tokens are the rows: [1, Hkv, n*G, D] vs [1, Hkv, P, D].
             q4 = q[part.start : part.end].reshape(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
             o_sh, lse_sh = attention_with_lse(q4, k.view(1, p, hkv, d).transpose(1, 2),
@@ -276,7 +293,7 @@ class TorchNativeBackend(AttentionBackend):
         hkv, g = self.shape.num_kv_heads, self.group
         for chunk in casc.prefills:
             e = chunk.end - chunk.start
-            if self._extend_in_place(e, k_pool.dtype):  # a question after its group's shared few-shot block
+            if self._extend_in_place(q[chunk.start : chunk.end], k_pool):  # a question after its shared few-shot block
                 assert self.paged is not None
                 o_rows, lse_rows = self.paged.extend(q[chunk.start : chunk.end], k_pool, v_pool, chunk.kv_index,
                                                      chunk.kv_index.numel() - e)
@@ -296,6 +313,6 @@ class TorchNativeBackend(AttentionBackend):
         if self.paged is not None and dec.lengths is not None:
             out, lse = self.paged.run(q, k_pool, v_pool, dec.kv_index.view(b, -1), dec.lengths)
             return out.to(q.dtype), lse
-        k, v = self._decode_kv(k_pool, v_pool, dec)
+        k, v = self._decode_kv(k_pool, v_pool, dec, q.dtype)
         o, lse = attention_with_lse(q.reshape(b, hkv, self.group, d), k, v, dec.mask, False, self.shape.scale)
         return o.reshape(b, self.shape.num_heads, d), lse.reshape(b, self.shape.num_heads)

@@ -119,12 +119,15 @@ def add_bench_parser(sub: Any) -> None:
                       "int8'); the weight-streaming floor printed beside each step is that format's.")
     prof.add_argument("--out", default=None, help="Save the profile as JSON.")
 
-    qual = bsub.add_parser("quality", formatter_class=fmt, help="Output quality of bf16 / int8 weights vs float32.",
+    qual = bsub.add_parser("quality", formatter_class=fmt,
+                           help="Output quality of bf16 / int8 weights (and the int8 KV"
+                           " cache) vs float32.",
                            description="Greedy agreement with float32 over built-in workload prompts and perplexity of "
                            "a shipped text, for each faster weight format (in-process Engines, one at a time).")
     qual.add_argument("--model", default="default", help="Model to load (as radixserve serve --model).")
-    qual.add_argument("--formats", nargs="+", default=["bfloat16", "int8"], choices=("bfloat16", "int8"),
-                      help="Formats to compare with float32.")
+    qual.add_argument("--formats", nargs="+", default=["bfloat16", "int8"],
+                      choices=("bfloat16", "int8", "bfloat16+kv8", "int8+kv8"),
+                      help="Formats to compare with float32 (+kv8: with --kv-cache-dtype int8).")
     qual.add_argument("--prompts", type=int, default=64, help="Prompts for the greedy agreement.")
     qual.add_argument("--new-tokens", type=int, default=32, help="Greedy tokens generated per prompt.")
     qual.add_argument("--out", default=None, help="Save the results as JSON.")
@@ -213,9 +216,9 @@ def _quality(args: argparse.Namespace) -> int:
     from runtime.bench.quality import measure, report
 
     rows = report(measure(args.model, args.formats, args.prompts, args.new_tokens))
-    print(f"{'format':10} {'prompts':>7} {'identical':>9} {'agreeing':>9} {'perplexity':>10} {'change':>8}")
+    print(f"{'format':12} {'prompts':>7} {'identical':>9} {'agreeing':>9} {'perplexity':>10} {'change':>8}")
     for r in rows:
-        print(f"{r['name']:10} {r['prompts']:7d} {r['identical']:9.3f} {r['agreeing_tokens']:9.3f} "
+        print(f"{r['name']:12} {r['prompts']:7d} {r['identical']:9.3f} {r['agreeing_tokens']:9.3f} "
               f"{r['perplexity']:10.3f} {100 * r['perplexity_change']:+7.2f}%")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

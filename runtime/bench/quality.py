@@ -1,7 +1,7 @@
 """``radixserve bench quality``: what a faster weight format costs in output quality, against float32.
 
-For each format (bfloat16 weights, int8 weight-only quantization) the same prompts run greedily through an
-in-process Engine and are compared with float32's answers:
+For each format (bfloat16 weights, int8 weight-only quantization, either with the int8 KV cache) the same prompts
+run greedily through an in-process Engine and are compared with float32's answers:
 
 - **greedy agreement**: the share of prompts whose whole continuation equals float32's, and the mean share
   of tokens that agree before the first difference;
@@ -24,7 +24,10 @@ from runtime.bench.workloads import make
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-           "int8": {"quantization": "int8"}}  # as --quantization int8 alone: activations and KV in the default dtype
+           "int8": {"quantization": "int8"},  # as --quantization int8 alone: activations and KV in the default dtype
+           # the same with the KV cache in the int8 format (--kv-cache-dtype int8); targets as their weights'
+           "bfloat16+kv8": {"dtype": "bfloat16", "kv_cache_dtype": "int8"},
+           "int8+kv8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
 
 
 @dataclass

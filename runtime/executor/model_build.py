@@ -73,4 +73,4 @@ def kv_shape(args: ServerArgs, model: LlamaForCausalLM) -> KVShape:
     """The KV pool shape of this rank: every layer, the KV heads its query heads read."""
     arch = model.arch
     kv_heads = arch.num_kv_heads if model.tp is None else model.tp.shard.num_kv_heads
-    return KVShape(arch.num_layers, kv_heads, arch.head_dim, args.torch_dtype)
+    return KVShape(arch.num_layers, kv_heads, arch.head_dim, args.torch_dtype, int8=args.kv_cache_dtype == "int8")

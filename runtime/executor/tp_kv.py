@@ -31,7 +31,7 @@ from runtime.distributed.comm import TPComm
 from runtime.executor.tp_step import KVCopy, send_kv_copy
 from runtime.models.tp_plan import Shard
 
-HEAD_DIM = 3  # of a copy's payload: [layers, 2 (K, V), slots, heads, head_dim]
+HEAD_DIM = 3  # of a copy's payload: [layers, 2 (K, V), slots, heads, row_dim]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class ShardedKV:
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if slots.numel() == 0:
             s = self._shape
-            empty = torch.empty((s.num_layers, 0, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=self.device)
+            empty = torch.empty((s.num_layers, 0, s.num_kv_heads, s.row_dim), dtype=s.storage_dtype, device=self.device)
             return empty, empty.clone()
         with self._exclusive():
             self._settle()
@@ -115,7 +115,7 @@ class ShardedKV:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        both = torch.stack((k, v), dim=1).to(self.device, self._shape.dtype)
+        both = torch.stack((k, v), dim=1).to(self.device, self._shape.storage_dtype)
         pieces = [both.narrow(HEAD_DIM, start, end - start) for start, end in self.layout.held]
         with self._exclusive():
             self._settle()
@@ -147,6 +147,6 @@ def scatter_heads(comm: TPComm, kv: KVStorage, slots: torch.Tensor, layout: Head
                   pieces: list[torch.Tensor] | None) -> None:
     """Rank 0's ``pieces`` (each rank's heads of ``slots``) to their ranks, each writing its own."""
     s = kv.shape
-    shape = (s.num_layers, 2, int(slots.numel()), s.num_kv_heads, s.head_dim)
-    mine = comm.scatter(pieces, HEAD_DIM, layout.write_sizes, shape, s.dtype, kv.device)
+    shape = (s.num_layers, 2, int(slots.numel()), s.num_kv_heads, s.row_dim)
+    mine = comm.scatter(pieces, HEAD_DIM, layout.write_sizes, shape, s.storage_dtype, kv.device)
     kv.write(slots, mine[:, 0], mine[:, 1])

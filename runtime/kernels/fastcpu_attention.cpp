@@ -21,10 +21,28 @@ constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are 
 // ahead, not one: a tile takes less time to attend than a read from memory takes to arrive. Over 1k positions
 // from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
 // 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
+// An int8 row (d values and a 4-byte scale) starts anywhere in a cache line: its first and last bytes are fetched.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(KV)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+}
+
+// The scale of an int8 KV row (the float32 after its d values: radix/kv_int8.py); 1 for float rows, never applied.
+template <typename KV>
+inline float row_scale(const KV* row, int64_t d) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + d, sizeof(scale));
+    return scale;
+  } else {
+    (void)row;
+    (void)d;
+    return 1.f;
+  }
 }
 
 // The factor that rescales a head's running sums when its running max moves from m to new_m: exp(m - new_m),
@@ -45,6 +63,10 @@ inline float rescale(float m, float new_m) { return new_m == m ? 1.f : std::exp(
 // accumulators and queries in vector registers instead of reloading them from the stack for every position,
 // which made the general version ~3x slower than it needs to be. The arithmetic and its order are the same
 // in every instance, so results do not depend on which one runs.
+//
+// An int8 pool (KV = int8_t) is read as it is stored: a position's score is its row's scale times the dot product
+// with the int8 values widened to float, and its weight in the value sum is multiplied by the V row's scale, so the
+// values are never dequantised into a copy.
 template <typename KV, int G, int NV>
 void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool, const KV* v_pool,
                   int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1, float scale,
@@ -62,17 +84,21 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
       qv[g][c] = load(q + g * d + c * 16) * splat(scale);
     }
   }
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   alignas(64) float s[kMaxGroup][kTile];
+  alignas(64) float k_scale[kTile];
   for (int64_t j = j0; j < j1; j += kTile) {
     const int64_t n = std::min<int64_t>(kTile, j1 - j);
     v16 dp[kMaxGroup][kTile];
     for (int64_t t = 0; t < kTile; ++t) {
       if (t >= n) {
         for (int64_t g = 0; g < group; ++g) dp[g][t] = splat(0.f);
+        if constexpr (kInt8) k_scale[t] = 0.f;
         continue;
       }
       const KV* kr = k_pool + slots[j + t] * slot_stride + head_off;
       if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
+      if constexpr (kInt8) k_scale[t] = row_scale(kr, d);
       v16 kc[kMaxDim / 16];
       for (int64_t c = 0; c < nv; ++c) kc[c] = load(kr + c * 16);
       for (int64_t g = 0; g < group; ++g) {
@@ -81,7 +107,12 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
         dp[g][t] = acc_t;
       }
     }
-    for (int64_t g = 0; g < group; ++g) store(&s[g][0], hsum16(dp[g]));
+    for (int64_t g = 0; g < group; ++g) {
+      if constexpr (kInt8)
+        store(&s[g][0], hsum16(dp[g]) * load(k_scale));
+      else
+        store(&s[g][0], hsum16(dp[g]));
+    }
     for (int64_t t = n; t < kTile; ++t)
       for (int64_t g = 0; g < group; ++g) s[g][t] = -INFINITY;
     for (int64_t g = 0; g < group; ++g) {
@@ -107,9 +138,17 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
     for (int64_t t = 0; t < n; ++t) {
       const KV* vr = v_pool + slots[j + t] * slot_stride + head_off;
       if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      for (int64_t c = 0; c < nv; ++c) {
-        const v16 vc = load(vr + c * 16);
-        for (int64_t g = 0; g < group; ++g) acc[g][c] += splat(s[g][t]) * vc;
+      if constexpr (kInt8) {
+        const float v_scale = row_scale(vr, d);
+        for (int64_t c = 0; c < nv; ++c) {
+          const v16 vc = load(vr + c * 16);
+          for (int64_t g = 0; g < group; ++g) acc[g][c] += splat(s[g][t] * v_scale) * vc;
+        }
+      } else {
+        for (int64_t c = 0; c < nv; ++c) {
+          const v16 vc = load(vr + c * 16);
+          for (int64_t g = 0; g < group; ++g) acc[g][c] += splat(s[g][t]) * vc;
+        }
       }
     }
   }
@@ -319,7 +358,8 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   float* pm = part_m.data_ptr<float>();
   float* pl = part_l.data_ptr<float>();
   float* pa = part_acc.data_ptr<float>();
-  const int64_t slot_stride = hkv * d;
+  const int64_t row = d + (std::is_same_v<KV, int8_t> ? 4 : 0);  // a head's row: its values (and int8 scale)
+  const int64_t slot_stride = hkv * row;
   const std::vector<Segment> segs = segments(which, lens, b, group);
   const int64_t nseg = static_cast<int64_t>(segs.size());
   // A work item is one range of one segment, all KV heads in turn: the heads' values of a KV position are side
@@ -348,7 +388,7 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
           std::copy(qr, qr + group * d, qs.data() + i * group * d);
         }
         if (j0 < j1)
-          attend(qs.data(), heads, d, kp, vp, slot_stride, kvh * d, slots, j0, j1, static_cast<float>(scale), hi,
+          attend(qs.data(), heads, d, kp, vp, slot_stride, kvh * row, slots, j0, j1, static_cast<float>(scale), hi,
                  ms.data(), ls.data(), accs.data());
         for (int64_t i = 0; i < seg.count; ++i) {
           const int64_t r = seg.first + i, base = (r * splits + sp) * h + kvh * group;
@@ -413,8 +453,9 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_poo
   const int64_t h = q.size(1), d = q.size(2);
   TORCH_CHECK(h % num_kv_heads == 0 && h / num_kv_heads <= kMaxGroup, "unsupported head grouping");
   TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "head dim must be a multiple of 16, at most 256");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.numel() % (num_kv_heads * d) == 0,
-              "KV pools must be contiguous [slots, kv_heads * head_dim]");
+  const int64_t row = d + (k_pool.scalar_type() == torch::kInt8 ? 4 : 0);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.numel() % (num_kv_heads * row) == 0,
+              "KV pools must be contiguous [slots, kv_heads * head_dim] (head_dim + 4 int8 per head: int8 format)");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "K and V pools differ in dtype");
   TORCH_CHECK(kv_index.dim() == 2 && kv_index.scalar_type() == torch::kInt64 && kv_index.is_contiguous(),
               "kv_index must be contiguous int64 [B, L]");
@@ -429,7 +470,9 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_poo
   }
   if (k_pool.scalar_type() == torch::kFloat32)
     return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads, out_dtype);
-  TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pools must be float32 or bfloat16");
+  if (k_pool.scalar_type() == torch::kInt8)
+    return decode_attention_impl<int8_t>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads, out_dtype);
+  TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pools must be float32, bfloat16 or int8");
   return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads,
                                              out_dtype);
 }

@@ -94,7 +94,8 @@ class DecodeStack {
 
   // residual [T, hidden] (updated in place); cos / sin_signed [T, D] in its dtype; slots [T] (where the new
   // tokens' K and V go); kv_index [T, L] and lengths [T] (what each token attends: after its group's shared
-  // prefix, for the rows of a group in `shared`); k_buffer / v_buffer [layers, slots, kv_heads, D] (KVStorage's).
+  // prefix, for the rows of a group in `shared`); k_buffer / v_buffer [layers, slots, kv_heads, row] (KVStorage's:
+  // row D, or D + 4 in the int8 format).
   void run(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slots,
            torch::Tensor kv_index, torch::Tensor lengths, torch::Tensor k_buffer, torch::Tensor v_buffer,
            const std::vector<SharedGroup>& shared) const {
@@ -106,11 +107,12 @@ class DecodeStack {
                       (g.packs.empty() || static_cast<int64_t>(g.packs.size()) == num_layers()),
                   "a shared group needs rows within the batch, a length per row, and a pack per layer or none");
     const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;
-    const int64_t total_slots = k_buffer.size(1);
+    // a slot's row in the pool: kv_size values, or in the int8 format each head's d values and its scale
+    const int64_t total_slots = k_buffer.size(1), slot_row = kv_heads_ * k_buffer.size(3);
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
-      const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, kv_size});
-      const torch::Tensor v_pool = v_buffer.select(0, i).view({total_slots, kv_size});
+      const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, slot_row});
+      const torch::Tensor v_pool = v_buffer.select(0, i).view({total_slots, slot_row});
       torch::Tensor qkv = layer.qkv.run(rms_norm(residual, layer.input_norm, eps_), c10::nullopt);
       // q and k heads side by side: one rotation for both
       torch::Tensor qk =

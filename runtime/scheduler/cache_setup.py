@@ -80,6 +80,8 @@ def kv_fingerprint(args: ServerArgs, runner: Any) -> KVFingerprint:
     # that deterministic kernels computed, and int8 weights give other KV than float ones
     numerics = {"deterministic": bool(args.enable_deterministic_inference), "quantization": args.quantization,
                 "sliding_window": getattr(cfg, "sliding_window", None)}
+    if args.kv_cache_dtype != "auto":  # only then, so that the blocks of float pools keep their fingerprint
+        numerics["kv_cache_dtype"] = args.kv_cache_dtype
     # A row-parallel layer sums in tp pieces: KV differs across tp sizes by float rounding only, as it does
     # across batch compositions, so blocks are shared between tp sizes, except where bits are promised
     # (deterministic mode is batch-invariant, not tp-invariant) or the split changes the model (int8 scales

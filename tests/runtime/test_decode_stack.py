@@ -16,7 +16,8 @@ from tests.conftest import checked_engine
 
 pytestmark = pytest.mark.slow
 
-FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+           "int8-kv": {"kv_cache_dtype": "int8"}}
 
 
 class CountedStack:
@@ -47,7 +48,7 @@ def generate(eng: Engine, prompts: list[list[int]]) -> list[tuple[list[int], lis
     "float32",
     pytest.param("bfloat16", marks=pytest.mark.skipif(
         aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
-    "int8"])
+    "int8", "int8-kv"])
 def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
     rng = random.Random(3)
     shared = [rng.randrange(3, 49000) for _ in range(90)]
@@ -67,7 +68,8 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
         assert counted.taken >= 2 * 11 - 2, "decode steps ran without the stack"
         assert counted.declined > 0, "no mixed step reached the stack"
         # cascade groups go through the stack where their shared part takes the GEMM kernel (a bf16 pool)
-        gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
+        gemm_shared = eng.inspect(
+            lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.storage_dtype))
         assert (counted.taken_grouped >= 5) == gemm_shared
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
         by_layer = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]

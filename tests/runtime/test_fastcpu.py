@@ -252,17 +252,20 @@ def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
 
 
 @requires_bf16_dot
+@pytest.mark.parametrize("int8_kv", [False, True])
 @pytest.mark.parametrize(("lens", "shared", "extend"), [([850], 0, 150), ([520, 530, 540], 500, 20),
                                                        ([1000, 1010, 1020, 1030], 990, 1)])
-def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(lens, shared, extend):
+def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(lens, shared, extend, int8_kv):
     """A 150-token chunk over a cached prefix; three 20-token chunks, and four decode rows, under one shared
     prefix (a cascade group whose shared part the GEMM kernel attends, merged by LSE): the backend's output
-    equals the gather path's (SDPA) within bf16's precision."""
+    equals the gather path's (SDPA) within bf16's precision. A bf16 model over an int8 pool: the long chunk's rows
+    reach the GEMM kernel dequantised to bf16, the group's shared part is gathered."""
     shape = AttentionShape(9, 3, 64)
     fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
     outs = []
     for backend in (fast, gather):
-        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=5, extend=extend, dtype=torch.bfloat16)
+        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=5, extend=extend, dtype=torch.bfloat16,
+                                              int8_kv=int8_kv)
         backend.plan(batch)
         assert (batch.attn_metadata.cascade is not None) == (shared > 0)
         outs.append(backend.forward(q, k_new, v_new, 0, batch).float())
@@ -327,17 +330,18 @@ def test_vnni_activation_error_stays_within_half_a_step_of_its_block(k):
 
 
 def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1,
-                 dtype: torch.dtype = torch.float32):
-    """A batch over a random ``dtype`` pool: request i has ``lens[i]`` tokens, its last ``extend`` new, the first
-    ``shared`` slots the same for all (a cached prefix: cascade groups form when it is long enough)."""
+                 dtype: torch.dtype = torch.float32, int8_kv: bool = False):
+    """A batch over a random ``dtype`` pool (in the int8 KV format with ``int8_kv``): request i has ``lens[i]``
+    tokens, its last ``extend`` new, the first ``shared`` slots the same for all (a cached prefix: cascade groups
+    form when it is long enough)."""
     from radix.kv_storage import KVShape, KVStorage
     from runtime.core.forward_batch import build_forward_batch
 
     g = torch.Generator().manual_seed(seed)
     slots = 8192
-    kv = KVStorage(KVShape(1, shape.num_kv_heads, shape.head_dim, dtype), slots)
-    kv.k_buffer.normal_(generator=g)
-    kv.v_buffer.normal_(generator=g)
+    kv = KVStorage(KVShape(1, shape.num_kv_heads, shape.head_dim, dtype, int8=int8_kv), slots)
+    for buffer in (kv.k_buffer, kv.v_buffer):
+        buffer.copy_(kv.encode(torch.randn(buffer.shape[:-1] + (shape.head_dim,), generator=g)))
     table = torch.zeros(len(lens), max(lens) + 8, dtype=torch.int64)
     perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()
     prefix, rest = perm[:shared], perm[shared:]
@@ -354,17 +358,20 @@ def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int,
     return batch, q, k_new, v_new
 
 
+@pytest.mark.parametrize("int8_kv", [False, True])
 @pytest.mark.parametrize(("lens", "shared", "extend"), [([5, 80, 333, 1000], 0, 1), ([400, 420, 450, 500], 380, 1),
-                                                       ([300, 90], 0, 12)])
-def test_in_place_decode_equals_the_gather_path_inside_the_backend(lens, shared, extend):
+                                                       ([300, 90], 0, 12), ([700], 0, 120)])
+def test_in_place_decode_equals_the_gather_path_inside_the_backend(lens, shared, extend, int8_kv):
     """Plain decode rows; with a long shared prefix the own parts of a cascade group merged by LSE; short
-    prefill chunks over a cached prefix (each new token attends its own positions)."""
+    prefill chunks over a cached prefix (each new token attends its own positions); a long chunk (gathered by
+    both). Over an int8 pool the kernels read the rows as stored and the gather path dequantises them: the same
+    values, summed in another order."""
     shape = AttentionShape(9, 3, 64)
     fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
     assert fast.paged is not None and gather.paged is None
     outs = []
     for backend in (fast, gather):
-        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=3, extend=extend)
+        batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=3, extend=extend, int8_kv=int8_kv)
         backend.plan(batch)
         assert (batch.attn_metadata.cascade is not None) == (shared > 0)
         outs.append(backend.forward(q, k_new, v_new, 0, batch))
