@@ -36,3 +36,9 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = rows.shape[-1] - SCALE_BYTES
     scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
     return (rows[..., :d].float() * scale).to(dtype)
+
+
+def dequantize_slots(rows: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Slots' rows of a 2-D int8 pool view ``[n, heads * (head_dim + 4)]`` as ``[n, heads * head_dim]`` in ``dtype``."""
+    n = rows.shape[0]
+    return dequantize(rows.view(n, num_kv_heads, -1), dtype).view(n, -1)

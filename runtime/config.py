@@ -269,6 +269,9 @@ class ServerArgs:
             need(self.kv_cache_dtype == "auto", name, "keeps the KV cache in float32 (--kv-cache-dtype auto)")
         need(self.quantization == "none" or self.device in ("auto", "cpu"), "quantization",
              "int8 weight-only quantization is implemented for the CPU")
+        # the CLI enforces the choices; an Engine keyword arrives here unchecked, and a typo must not mean "auto"
+        need(self.kv_cache_dtype in ("auto", "int8"), "kv_cache_dtype",
+             f"{self.kv_cache_dtype!r} is not one of: auto, int8")
         if self.kv_cache_dtype == "int8":
             need(self.device in ("auto", "cpu"), "kv_cache_dtype", "the int8 KV cache is implemented for the CPU")
             need(self.attention_backend in ("auto", "torch_native"), "kv_cache_dtype",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from radix.kv_int8 import dequantize
+from radix.kv_int8 import dequantize_slots
 from runtime.attention.base import AttentionShape
 from runtime.kernels import kernel_input
 
@@ -81,11 +81,6 @@ class PagedDecodeKernel:
         rows are dequantised for it: 1,024-token prefills ran at 0.57-0.67x the speed through the gather path)."""
         return q.dtype if pool.dtype == torch.int8 else pool.dtype
 
-    def _dequantised(self, pool: torch.Tensor, kv_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``kv_index`` of an int8 pool ``[slots, Hkv * (D + 4)]`` as ``[len, Hkv * D]`` in ``dtype``."""
-        rows = pool.index_select(0, kv_index.reshape(-1))
-        heads = self.shape.num_kv_heads
-        return dequantize(rows.view(rows.shape[0], heads, -1), dtype).view(rows.shape[0], -1)
 
     def gemm_shared(self, dtype: torch.dtype) -> bool:
         """Whether a cascade group's tokens attend their shared prefix in a ``dtype`` pool through the GEMM
@@ -129,7 +124,9 @@ class PagedDecodeKernel:
         lengths = torch.arange(prefix + 1, prefix + e + 1, dtype=torch.int64)
         if self.gemm(e, self.rows_dtype(k_pool, q)):
             if k_pool.dtype == torch.int8:  # the GEMM kernel packs bf16 rows: this request's, dequantised once
-                k_pool, v_pool = (self._dequantised(pool, kv_index, q.dtype) for pool in (k_pool, v_pool))
+                heads, idx = self.shape.num_kv_heads, kv_index.reshape(-1)
+                k_pool, v_pool = (dequantize_slots(pool.index_select(0, idx), heads, q.dtype)
+                                  for pool in (k_pool, v_pool))
                 kv_index = torch.arange(kv_index.numel())
             return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))

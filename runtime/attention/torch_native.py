@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radix.kv_int8 import dequantize
+from radix.kv_int8 import dequantize_slots
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.cascade import (
     CascadePolicy,
@@ -174,10 +174,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def _plain(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Pool rows ``[n, Hkv * row_dim]`` as ``[n, Hkv * D]`` in ``dtype``: the same tensor unless they are int8."""
-        if rows.dtype != torch.int8:
-            return rows
-        n, hkv = rows.shape[0], self.shape.num_kv_heads
-        return dequantize(rows.view(n, hkv, -1), dtype).view(n, hkv * self.shape.head_dim)
+        return dequantize_slots(rows, self.shape.num_kv_heads, dtype) if rows.dtype == torch.int8 else rows
 
     def _gather_stored(self, pool: torch.Tensor, index: torch.Tensor, name: str) -> torch.Tensor:
         """Rows ``index`` of a 2-D pool view, copied as stored into the reusable workspace ``name``."""

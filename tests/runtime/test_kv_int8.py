@@ -114,7 +114,8 @@ def test_flags_that_cannot_read_an_int8_cache_are_refused():
     assert args.attention_backend == "torch_native"
     for bad, match in [({"attention_backend": "flashinfer"}, "torch_native"),
                        ({"enable_deterministic_inference": True}, "kv-cache-dtype auto"),
-                       ({"device": "cuda"}, "implemented for the CPU")]:
+                       ({"device": "cuda"}, "implemented for the CPU"),
+                       ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype: 'fp8' is not one of: auto, int8")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**{"device": "cpu", "kv_cache_dtype": "int8", **bad}).validate()
 
