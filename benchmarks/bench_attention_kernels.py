@@ -22,15 +22,20 @@ from typing import Any
 import torch
 from engine_steps import cpu_simd, emit, median_ms
 
+from radix.kv_int8 import quantize
 from runtime.kernels.build import load_kernels
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 SCALE = DIM ** -0.5
 
 
-def pools(slots: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    k = (torch.randn(slots, KV_HEADS * DIM, generator=g) * 0.5).bfloat16()
-    return k, torch.randn(slots, KV_HEADS * DIM, generator=g).bfloat16()
+def pools(slots: int, g: torch.Generator, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V pools, bf16 or (``int8``) in the int8 KV format (radix/kv_int8.py)."""
+    k = torch.randn(slots, KV_HEADS, DIM, generator=g) * 0.5
+    v = torch.randn(slots, KV_HEADS, DIM, generator=g)
+    if int8:
+        return quantize(k).view(slots, -1), quantize(v).view(slots, -1)
+    return k.view(slots, -1).bfloat16(), v.view(slots, -1).bfloat16()
 
 
 def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float]:
@@ -46,10 +51,12 @@ def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float
     return {"layer_ms": ms, "layers_ms": LAYERS * ms, "g_mac_s": macs / ms / 1e6}
 
 
-def decode_step(batch: int, context: int, layers: int, g: torch.Generator) -> Callable[[Any], None]:
-    """A decode step's attention over ``layers`` layers' own pools: ``batch`` rows of ``context`` positions, run
-    by the kernel module it is given (bench_kernel_ab.py hands it two builds in turn)."""
-    layer_pools = [pools(batch * context + 64, g) for _ in range(layers)]
+def decode_step(batch: int, context: int, layers: int, g: torch.Generator,
+                int8: bool = False) -> Callable[[Any], None]:
+    """A decode step's attention over ``layers`` layers' own pools (``int8``: in the int8 KV format): ``batch`` rows
+    of ``context`` positions, run by the kernel module it is given (bench_kernel_ab.py hands it two builds in
+    turn)."""
+    layer_pools = [pools(batch * context + 64, g, int8) for _ in range(layers)]
     index = torch.arange(batch * context).view(batch, context)
     lengths = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()

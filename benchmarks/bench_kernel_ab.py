@@ -10,7 +10,7 @@ reported as such and skipped.
 Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 pool and queries):
 
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
-  layer's pool 30 times (in cache);
+  layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format);
 - a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows, where the host
   has the instructions;
@@ -59,8 +59,8 @@ def kernels_at(rev: str, folder: Path) -> ModuleType:
     return build_kernels("fastcpu", folder)
 
 
-def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator) -> Case:
-    step = decode_step(batch, CONTEXT, layers, g)
+def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, int8: bool = False) -> Case:
+    step = decode_step(batch, CONTEXT, layers, g, int8)
 
     def run(k: ModuleType) -> None:
         for _ in range(repeats):
@@ -118,6 +118,9 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         "decode attention, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g),
         "decode attention, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g),
         "decode attention, batch 1, one layer x30 in cache": decode_case(1, 1, LAYERS, g),
+        "decode attention over an int8 pool, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g, True),
+        "decode attention over an int8 pool, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g, True),
+        "decode attention over an int8 pool, batch 8, one layer x30 in cache": decode_case(8, 1, LAYERS, g, True),
     }
     if k_this.bf16_dot():
         out["shared part, 8 rows x 1,050 kept keys, 30 layers"] = shared_case(k_this, g)

@@ -1,54 +1,12 @@
 // Decode attention over the paged KV pool read in place (see fastcpu.cpp for the module's overview).
 
-#include "fastcpu_vec.h"
+#include "fastcpu_attend.h"
+#include "fastcpu_attend_dot.h"
 
 namespace {
 
 using namespace fastcpu;
-
-constexpr int kTile = 16;  // KV positions scored at once
-constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector path
-constexpr int kMaxDim = 256;
-// Query heads attended in one pass over a KV row (several tokens of one request): 9 (three tokens of a 3-group
-// model) measured fastest for a 5-token draft at 1.5k context — 7.3 ms over 30 layers against 11.6 one token
-// at a time; 15 at once spills the accumulators and is no faster.
-constexpr int kSegmentHeads = 9;
-constexpr int64_t kRange = 256;  // KV positions of one work item (a row's ranges start at 0, kRange, ...)
-constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are fetched (prefetch_row)
-
-// Software prefetch of one head's row of K or V, kPrefetch positions ahead: the rows of a request are scattered
-// over the pool (one slot each), so the hardware's stream prefetchers cannot see the next one coming. Two tiles
-// ahead, not one: a tile takes less time to attend than a read from memory takes to arrive. Over 1k positions
-// from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
-// 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
-// An int8 row (d values and a 4-byte scale) starts anywhere in a cache line: its first and last bytes are fetched.
-template <typename KV>
-inline void prefetch_row(const KV* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
-}
-
-// The scale of an int8 KV row (the float32 after its d values: radix/kv_int8.py); 1 for float rows, never applied.
-template <typename KV>
-inline float row_scale(const KV* row, int64_t d) {
-  if constexpr (std::is_same_v<KV, int8_t>) {
-    float scale;
-    std::memcpy(&scale, row + d, sizeof(scale));
-    return scale;
-  } else {
-    (void)row;
-    (void)d;
-    return 1.f;
-  }
-}
-
-// The factor that rescales a head's running sums when its running max moves from m to new_m: exp(m - new_m),
-// 0 on the first tile (m = -inf). Once the max has settled (most tiles of a long row) it is exactly 1, and the
-// scalar exp and the multiplications by it are skipped: multiplying by 1 changes no bit.
-inline float rescale(float m, float new_m) { return new_m == m ? 1.f : std::exp(m - new_m); }
+using namespace fastcpu::attend;
 
 // One (KV row, KV head, position range): online softmax over the range for G query heads that share the KV
 // head — the head's query heads of one token, or of several tokens of one request (a verified draft, a short
@@ -159,129 +117,17 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
   }
 }
 
-#ifdef FASTCPU_BF16_DOT
-// Softmax bookkeeping of one tile for one head: the tile's raw scores s[0..n) (n <= kTile, lanes past n
-// ignored), of which the head sees the first ng; updates the running max m and sum l, overwrites s with the
-// weights (0 past ng) and returns the correction factor for the head's accumulators.
-inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
-  const __mmask16 seen = static_cast<__mmask16>((1u << ng) - 1u);
-  const __m512 sv = _mm512_loadu_ps(s);
-  const float new_m = std::max(m, _mm512_mask_reduce_max_ps(seen, sv));
-  const float correction = rescale(m, new_m);
-  m = new_m;
-  const __m512 p = _mm512_maskz_mov_ps(seen, (__m512)exp16((v16)sv - splat(new_m)));
-  _mm512_storeu_ps(s, p);
-  l = l * correction + _mm512_reduce_add_ps(p);
-  return correction;
-}
-
-// attend_range over a bf16 pool for bf16 queries (exact in bf16), with the arithmetic in bf16 dot products
-// (vdpbf16ps: pairs of products summed in fp32) instead of widening every K and V element to fp32 first: the
-// scores over pairs of dims, the values over pairs of positions with the weights rounded to bf16, as the extend
-// kernel's. About a third fewer vector instructions per position, which is what bounds a decode step's
-// attention once its KV is in cache (30 layers, one 1k-token row: 1.04 -> 0.69 ms; 8 rows 7.1 -> 4.4 ms; read
-// from memory the kernel is bound by it and gains far less). Against float64 its mean error is 1.1-1.6x that of
-// rounding the exact result to bf16 (the fp32 path's: 1.0x); the tests bound it at 2x.
-template <int G, int NV>
-void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k_pool, const at::BFloat16* v_pool,
-                       int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1,
-                       float scale, const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
-  constexpr int NC = NV / 2;  // 32-element chunks of a head's row
-  float m[G], l[G];
-  __m512 acc_e[G][NC], acc_o[G][NC];
-  __m512bh qv[G][NC];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-    for (int c = 0; c < NC; ++c) {
-      acc_e[g][c] = _mm512_setzero_ps();
-      acc_o[g][c] = _mm512_setzero_ps();
-      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * d + c * 32 + 16), _mm512_loadu_ps(q + g * d + c * 32));
-    }
-  }
-  alignas(64) float s[G][kTile];
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, j1 - j);
-    v16 dp[G][kTile];
-    for (int64_t t = 0; t < kTile; ++t) {
-      if (t >= n) {
-        for (int g = 0; g < G; ++g) dp[g][t] = splat(0.f);
-        continue;
-      }
-      const at::BFloat16* kr = k_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      __m512bh kc[NC];
-      for (int c = 0; c < NC; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kc[0]);
-        for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kc[c]);
-        dp[g][t] = (v16)a;
-      }
-    }
-    for (int g = 0; g < G; ++g) store(&s[g][0], hsum16(dp[g]) * splat(scale));
-    __m512 corr[G];
-    bool rescaled[G];
-    for (int g = 0; g < G; ++g) {
-      const int64_t ng = std::min<int64_t>(n, hi[g] - j);
-      if (ng <= 0) {
-        std::fill(s[g], s[g] + kTile, 0.f);
-        rescaled[g] = false;
-        continue;
-      }
-      const float c = softmax_tile(s[g], ng, m[g], l[g]);
-      rescaled[g] = c != 1.f;
-      corr[g] = _mm512_set1_ps(c);
-    }
-    for (int g = 0; g < G; ++g)
-      if (rescaled[g])
-        for (int c = 0; c < NC; ++c) {
-          acc_e[g][c] = _mm512_mul_ps(acc_e[g][c], corr[g]);
-          acc_o[g][c] = _mm512_mul_ps(acc_o[g][c], corr[g]);
-        }
-    // The weighted values as bf16 dot products over pairs of positions: weights rounded to bf16 (as the
-    // extend kernel's), the two positions' value rows interleaved word by word (unpack within 128-bit lanes,
-    // so the accumulators hold the dims in a permuted order, undone at the end).
-    alignas(64) uint32_t pw[G][kTile / 2];
-    for (int g = 0; g < G; ++g)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
-    for (int64_t t = 0; t < n; t += 2) {
-      const at::BFloat16* va = v_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      if (j + kPrefetch + t + 1 < j1) prefetch_row(v_pool + slots[j + kPrefetch + t + 1] * slot_stride + head_off, d);
-      for (int c = 0; c < NC; ++c) {
-        const __m512i a = _mm512_loadu_si512(va + c * 32);
-        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v_pool + slots[j + t + 1] * slot_stride + head_off + c * 32)
-                                    : _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        for (int g = 0; g < G; ++g) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][t / 2]));
-          acc_e[g][c] = _mm512_dpbf16_ps(acc_e[g][c], lo, p);
-          acc_o[g][c] = _mm512_dpbf16_ps(acc_o[g][c], hi, p);
-        }
-      }
-    }
-  }
-  // dims c*32 + k: k in 128-bit lane L = k / 8, word w = k % 8: the unpacklo accumulator's lane 4L + w for w < 4,
-  // the unpackhi one's 4L + w - 4 otherwise.
-  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int g = 0; g < G; ++g) {
-    m_out[g] = m[g];
-    l_out[g] = l[g];
-    for (int c = 0; c < NC; ++c) {
-      _mm512_storeu_ps(acc_out + g * d + c * 32, _mm512_permutex2var_ps(acc_e[g][c], lo, acc_o[g][c]));
-      _mm512_storeu_ps(acc_out + g * d + c * 32 + 16, _mm512_permutex2var_ps(acc_e[g][c], hi16, acc_o[g][c]));
-    }
-  }
-}
-#endif
-
 template <typename KV>
 using AttendFn = void (*)(const float*, int64_t, int64_t, const KV*, const KV*, int64_t, int64_t, const int64_t*,
                           int64_t, int64_t, float, const int64_t*, float*, float*, float*);
 
 // The instance of attend_range for G heads of dim 16 * nv: head dims 64 and 128 with the head counts that
 // grouped-query models give alone or for a few tokens at once, the general one otherwise.
+// The (heads, head dim / 16) instances of the dot-product kernels (fastcpu_attend_dot.h).
+#define FASTCPU_DOT_SHAPES(CASE) \
+  CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(6, 4) CASE(8, 4) CASE(9, 4) CASE(12, 4) \
+  CASE(1, 8) CASE(2, 8) CASE(4, 8) CASE(8, 8)
+
 template <typename KV>
 AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
 #ifdef FASTCPU_BF16_DOT
@@ -289,14 +135,20 @@ AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
     if (bf16_queries) {
 #define FASTCPU_ATTEND_BF16(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range_bf16<g, n>;
-      FASTCPU_ATTEND_BF16(1, 4) FASTCPU_ATTEND_BF16(2, 4) FASTCPU_ATTEND_BF16(3, 4) FASTCPU_ATTEND_BF16(4, 4)
-      FASTCPU_ATTEND_BF16(6, 4) FASTCPU_ATTEND_BF16(8, 4) FASTCPU_ATTEND_BF16(9, 4) FASTCPU_ATTEND_BF16(12, 4)
-      FASTCPU_ATTEND_BF16(1, 8) FASTCPU_ATTEND_BF16(2, 8) FASTCPU_ATTEND_BF16(4, 8) FASTCPU_ATTEND_BF16(8, 8)
+      FASTCPU_DOT_SHAPES(FASTCPU_ATTEND_BF16)
 #undef FASTCPU_ATTEND_BF16
     }
   }
 #else
   (void)bf16_queries;
+#endif
+#ifdef FASTCPU_VNNI
+  if constexpr (std::is_same_v<KV, int8_t>) {
+#define FASTCPU_ATTEND_I8(g, n) \
+  if (heads == (g) && nv == (n)) return &attend_range_i8<g, n>;
+    FASTCPU_DOT_SHAPES(FASTCPU_ATTEND_I8)
+#undef FASTCPU_ATTEND_I8
+  }
 #endif
 #define FASTCPU_ATTEND_CASE(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range<KV, g, n>;

@@ -23,10 +23,6 @@
 
 #include "fastcpu_vec.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define FASTCPU_VNNI 1
-#endif
-
 namespace {
 
 #ifdef FASTCPU_VNNI

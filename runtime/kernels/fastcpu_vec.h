@@ -20,6 +20,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define FASTCPU_BF16_DOT 1
 #endif
+// Where it targets AVX512-VNNI, the integer dot-product kernels are built (linear_int8, decode attention over an
+// int8 KV pool); int8_vnni() tells at run time.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define FASTCPU_VNNI 1
+#endif
 
 namespace fastcpu {
 
@@ -81,11 +86,14 @@ inline v16 round_to(v16 v, at::BFloat16*) {
 // Transposed horizontal sums: out[t] = sum of the lanes of dp[t], t = 0..15, in four levels of pairwise
 // shuffle-and-add (15 merges for 16 sums instead of 16 full reductions). Level w: each input vector holds
 // 16/w sources of w partial lanes; a merge halves w and concatenates the sources of its two inputs.
-inline v16 merge(v16 x, v16 y, v16i lo, v16i hi) {
+// V: v16, or v16i for integer sums (exact where the float ones would round).
+template <typename V>
+inline V merge(V x, V y, v16i lo, v16i hi) {
   return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
 }
 
-inline v16 hsum16(const v16 (&dp)[16]) {
+template <typename V>
+inline V hsum16(const V (&dp)[16]) {
   const v16i lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const v16i hi16 = lo16 + 8;
   const v16i lo8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -94,7 +102,7 @@ inline v16 hsum16(const v16 (&dp)[16]) {
   const v16i hi4 = lo4 + 2;
   const v16i lo2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   const v16i hi2 = lo2 + 1;
-  v16 a[8], b[4], c[2];
+  V a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i) a[i] = merge(dp[2 * i], dp[2 * i + 1], lo16, hi16);
   for (int i = 0; i < 4; ++i) b[i] = merge(a[2 * i], a[2 * i + 1], lo8, hi8);
   for (int i = 0; i < 2; ++i) c[i] = merge(b[2 * i], b[2 * i + 1], lo4, hi4);

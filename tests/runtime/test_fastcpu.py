@@ -375,7 +375,10 @@ def test_in_place_decode_equals_the_gather_path_inside_the_backend(lens, shared,
         backend.plan(batch)
         assert (batch.attn_metadata.cascade is not None) == (shared > 0)
         outs.append(backend.forward(q, k_new, v_new, 0, batch))
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    # Over an int8 pool a VNNI host's decode kernel multiplies in int16, its queries and weights rounded to 2^-16
+    # of their largest (test_kv_int8.py holds it to that rounding exactly): up to ~5e-5 here.
+    tol = 1e-4 if int8_kv and load_kernels("fastcpu").int8_vnni() else 1e-5
+    torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
 
 
 def test_dtype_auto_and_quantization_flags():

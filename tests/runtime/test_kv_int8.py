@@ -53,8 +53,34 @@ def test_the_store_kernel_writes_the_bytes_torch_writes(k, dtype):
     assert not k_pool[untouched].any() and not v_pool[untouched].any()
 
 
+def int16_rounded(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x`` as the VNNI decode kernel hands it to its integer dot products: round-half-even to int16 steps of
+    max|x| / 32767 along ``dim``, back in float64."""
+    amax = x.float().abs().amax(dim, keepdim=True)
+    steps = (x.float() * (torch.tensor(32767.0) / amax)).round().nan_to_num()
+    return steps.double() * (amax.double() / 32767)
+
+
+def attention_over_rows(q, keys, vals, v_scale, scale, int16: bool):
+    """float64 attention of one row's query heads [H, D] over its dequantised keys and values [H, n, D]; with
+    ``int16``, the queries and each tile of 16 positions' weights (probability times the V row's scale) rounded
+    as the VNNI kernel rounds them."""
+    q = int16_rounded(q) if int16 else q.double()
+    scores = (q[:, None] @ keys.transpose(1, 2))[:, 0] * scale
+    probs = torch.softmax(scores, -1)
+    if int16:  # the weights on the int8 values, v_scale [H, n], rounded per tile; a tile's scale is immaterial
+        w = probs * v_scale
+        w = torch.cat([int16_rounded(w[:, t : t + 16]) for t in range(0, w.shape[1], 16)], -1)
+        probs = w / v_scale
+    return (probs[:, None] @ vals)[:, 0], torch.logsumexp(scores, -1)
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_over_an_int8_pool_equals_attention_over_the_dequantised_rows(k, q_dtype):
+    """Where the host has VNNI the kernel multiplies in int16: its queries and weights rounded to 2^-16 of their
+    largest. Against float64 attention with those roundings it is exact up to fp32 arithmetic; against exact
+    attention the two roundings cost under 2e-4, far below the int8 rows' own rounding (2^-8 of a row's
+    largest value)."""
     g = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, pool = 9, 3, 64, 3000
     k_rows = quantize(torch.randn(pool, kv_heads, dim, generator=g) * 2)
@@ -64,19 +90,24 @@ def test_decode_kernel_over_an_int8_pool_equals_attention_over_the_dequantised_r
     for b, n in enumerate(lengths.tolist()):
         index[b, :n] = torch.randperm(pool, generator=g)[:n]
     q = torch.randn(len(lengths), heads, dim, generator=g).to(q_dtype)
+    q[2, 4] = 0.0  # an all-zero query head
     out, lse = k.decode_attention(q, k_rows.view(pool, -1), v_rows.view(pool, -1), index, None, lengths,
                                   dim**-0.5, kv_heads)
     assert out.dtype == q_dtype
     keys, vals = dequantize(k_rows, torch.float64), dequantize(v_rows, torch.float64)
+    v_scale = v_rows[..., dim:].contiguous().view(torch.float32)[..., 0].double()
+    # fp32 arithmetic; a bf16 output adds its own rounding (2^-8 relative)
+    tol = 1e-5 if q_dtype == torch.float32 else 8e-3
     for b, n in enumerate(lengths.tolist()):
-        kb = keys[index[b, :n]].repeat_interleave(3, 1).transpose(0, 1)  # [H, n, D]
-        vb = vals[index[b, :n]].repeat_interleave(3, 1).transpose(0, 1)
-        scores = (q[b].double()[:, None] @ kb.transpose(1, 2))[:, 0] * dim**-0.5
-        want = (torch.softmax(scores, -1)[:, None] @ vb)[:, 0]
-        # fp32 arithmetic; a bf16 output adds its own rounding (2^-8 relative)
-        tol = 2e-5 if q_dtype == torch.float32 else 8e-3
+        rows = index[b, :n]
+        kb, vb = (x[rows].repeat_interleave(3, 1).transpose(0, 1) for x in (keys, vals))  # [H, n, D]
+        vs = v_scale[rows].repeat_interleave(3, 1).T
+        want, want_lse = attention_over_rows(q[b], kb, vb, vs, dim**-0.5, k.int8_vnni())
         torch.testing.assert_close(out[b].double(), want, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[b].double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b].double(), want_lse, rtol=1e-5, atol=1e-5)
+        exact, exact_lse = attention_over_rows(q[b], kb, vb, vs, dim**-0.5, False)
+        torch.testing.assert_close(out[b].double(), exact, rtol=max(tol, 2e-4), atol=max(tol, 2e-4))
+        torch.testing.assert_close(lse[b].double(), exact_lse, rtol=2e-4, atol=2e-4)
 
 
 def test_int8_rows_hold_nearly_twice_the_tokens_of_bf16():

@@ -1,0 +1,82 @@
+// What the decode attention kernels share (fastcpu_attention.cpp, fastcpu_attend_dot.h): tile and range sizes,
+// the prefetch of KV rows, the int8 rows' scale, and the softmax and output steps of the dot-product kernels.
+#pragma once
+
+#include "fastcpu_vec.h"
+
+namespace fastcpu::attend {
+
+constexpr int kTile = 16;  // KV positions scored at once
+constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector path
+constexpr int kMaxDim = 256;
+// Query heads attended in one pass over a KV row (several tokens of one request): 9 (three tokens of a 3-group
+// model) measured fastest for a 5-token draft at 1.5k context — 7.3 ms over 30 layers against 11.6 one token
+// at a time; 15 at once spills the accumulators and is no faster.
+constexpr int kSegmentHeads = 9;
+constexpr int64_t kRange = 256;  // KV positions of one work item (a row's ranges start at 0, kRange, ...)
+constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are fetched (prefetch_row)
+
+// Software prefetch of one head's row of K or V, kPrefetch positions ahead: the rows of a request are scattered
+// over the pool (one slot each), so the hardware's stream prefetchers cannot see the next one coming. Two tiles
+// ahead, not one: a tile takes less time to attend than a read from memory takes to arrive. Over 1k positions
+// from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
+// 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
+// An int8 row (d values and a 4-byte scale) starts anywhere in a cache line: its first and last bytes are fetched.
+template <typename KV, _mm_hint Hint = _MM_HINT_T0>
+inline void prefetch_row(const KV* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, Hint);
+  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, Hint);
+}
+
+// The scale of an int8 KV row (the float32 after its d values: radix/kv_int8.py); 1 for float rows, never applied.
+template <typename KV>
+inline float row_scale(const KV* row, int64_t d) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + d, sizeof(scale));
+    return scale;
+  } else {
+    (void)row;
+    (void)d;
+    return 1.f;
+  }
+}
+
+// The factor that rescales a head's running sums when its running max moves from m to new_m: exp(m - new_m),
+// 0 on the first tile (m = -inf). Once the max has settled (most tiles of a long row) it is exactly 1, and the
+// scalar exp and the multiplications by it are skipped: multiplying by 1 changes no bit.
+inline float rescale(float m, float new_m) { return new_m == m ? 1.f : std::exp(m - new_m); }
+
+#ifdef __AVX512F__
+// Softmax bookkeeping of one tile for one head: the tile's raw scores s[0..n) (n <= kTile, lanes past n
+// ignored), of which the head sees the first ng; updates the running max m and sum l, overwrites s with the
+// weights (0 past ng) and returns the correction factor for the head's accumulators.
+inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
+  const __mmask16 seen = static_cast<__mmask16>((1u << ng) - 1u);
+  const __m512 sv = _mm512_loadu_ps(s);
+  const float new_m = std::max(m, _mm512_mask_reduce_max_ps(seen, sv));
+  const float correction = rescale(m, new_m);
+  m = new_m;
+  const __m512 p = _mm512_maskz_mov_ps(seen, (__m512)exp16((v16)sv - splat(new_m)));
+  _mm512_storeu_ps(s, p);
+  l = l * correction + _mm512_reduce_add_ps(p);
+  return correction;
+}
+
+
+// Two accumulators of pairs of positions (vdpbf16ps, vpdpwssd over value rows interleaved word by word with
+// unpacklo/hi_epi16, within 128-bit lanes) written back as dims in order: dim c*32 + k, k in 128-bit lane
+// L = k / 8 and word w = k % 8, is the unpacklo accumulator's lane 4L + w for w < 4, the unpackhi one's
+// 4L + w - 4 otherwise.
+inline void store_interleaved(float* out, __m512 acc_lo, __m512 acc_hi) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc_lo, lo, acc_hi));
+  _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc_lo, hi, acc_hi));
+}
+#endif
+
+}  // namespace fastcpu::attend
