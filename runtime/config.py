@@ -62,7 +62,7 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "Address the HTTP server binds to.")
     port: int = _opt(30000, "HTTP port.")
     log_level: str = _opt("info", "Logging level of every process.",
-                          ("debug", "info", "warning", "error"))
+                          ("debug", "info", "warning", "error", "critical"))
     # ---------------------------------------------------------------- memory and batching
     page_size: int = _opt(1, "Tokens per KV page; the radix cache shares whole pages only.")
     max_total_tokens: int | None = _opt(None, "KV cache capacity in tokens (overrides the memory fraction).")
@@ -224,6 +224,14 @@ class ServerArgs:
             if not cond:
                 raise ValueError(f"{name}: {msg}")
 
+        # the CLI enforces the choices; an Engine keyword arrives here unchecked, and a typo must not silently
+        # fall through to a default branch ("fp8" meaning a float KV cache, "int4" meaning no quantization)
+        for f in fields(self):
+            allowed = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if allowed and value is not None:
+                need(value in allowed, f.name, f"{value!r} is not one of: {', '.join(allowed)}")
+
         need(self.page_size >= 1, "page_size", "must be >= 1")
         need(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         need(self.max_prefill_tokens >= 1, "max_prefill_tokens", "must be >= 1")
@@ -269,9 +277,6 @@ class ServerArgs:
             need(self.kv_cache_dtype == "auto", name, "keeps the KV cache in float32 (--kv-cache-dtype auto)")
         need(self.quantization == "none" or self.device in ("auto", "cpu"), "quantization",
              "int8 weight-only quantization is implemented for the CPU")
-        # the CLI enforces the choices; an Engine keyword arrives here unchecked, and a typo must not mean "auto"
-        need(self.kv_cache_dtype in ("auto", "int8"), "kv_cache_dtype",
-             f"{self.kv_cache_dtype!r} is not one of: auto, int8")
         if self.kv_cache_dtype == "int8":
             need(self.device in ("auto", "cpu"), "kv_cache_dtype", "the int8 KV cache is implemented for the CPU")
             need(self.attention_backend in ("auto", "torch_native"), "kv_cache_dtype",

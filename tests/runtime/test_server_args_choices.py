@@ -1,0 +1,40 @@
+"""ServerArgs fields with a fixed set of values: an Engine keyword gets the check the CLI's argparse choices give,
+so a typo is refused by name instead of falling through to a default branch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from runtime.config import ServerArgs, add_server_args
+
+CHOICE_FIELDS = {f.name: f.metadata["choices"] for f in fields(ServerArgs) if f.metadata.get("choices")}
+
+
+def test_the_fields_with_choices_include_the_formats():
+    assert {"dtype", "quantization", "kv_cache_dtype", "attention_backend", "log_level"} <= set(CHOICE_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(CHOICE_FIELDS))
+def test_a_keyword_outside_a_fields_choices_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"^{name}: 'bogus' is not one of: {', '.join(CHOICE_FIELDS[name])}$"):
+        ServerArgs(**{"device": "cpu", name: "bogus"}).validate()
+
+
+@pytest.mark.parametrize("name", sorted(CHOICE_FIELDS))
+def test_the_cli_takes_the_same_choices(name, capsys):
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    flag = "--" + name.replace("_", "-")
+    for value in CHOICE_FIELDS[name]:
+        assert getattr(parser.parse_args([flag, value]), name) == value
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_every_log_level_is_accepted():
+    for level in CHOICE_FIELDS["log_level"]:
+        ServerArgs(device="cpu", log_level=level).validate()
