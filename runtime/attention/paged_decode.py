@@ -19,9 +19,10 @@ group's packed prefix is kept across batches under the planner's reuse key (:met
 so a group's decode steps pack it once.
 
 An int8 pool (``--kv-cache-dtype int8``, ``radix/kv_int8.py``) is read by the decode kernel as stored (each row's
-scale applied to its score and its weight) and written by ``store_kv``, which quantises; its long chunks and
-shared prefixes take the gather path, which dequantises what it gathers, except a bf16 model's long chunks: the GEMM
-kernel takes their rows dequantised to bf16.
+scale applied to its score and its weight) and written by ``store_kv``, which quantises. For a bf16 model the GEMM
+kernel takes its long chunks' rows dequantised to bf16, and a cascade group's shared prefix is dequantised once
+into the pack kept for the group, so its decode steps read the pack as a bf16 pool's group does. An fp32 model's
+long chunks and shared prefixes take the gather path, which dequantises what it gathers.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ class PagedDecodeKernel:
 
 
     def gemm_shared(self, dtype: torch.dtype) -> bool:
-        """Whether a cascade group's tokens attend their shared prefix in a ``dtype`` pool through the GEMM
-        kernel: at any group size (2 decode rows over a 1k prefix: 0.07 ms per layer against SDPA's 0.13, 8
-        rows 0.13-0.16 against 0.23-0.27), since a group's results depend on its members anyway."""
+        """Whether a cascade group's tokens attend their shared prefix through the GEMM kernel when its rows reach
+        the kernel in ``dtype`` (:meth:`rows_dtype`): at any group size (2 decode rows over a 1k prefix: 0.07 ms per
+        layer against SDPA's 0.13, 8 rows 0.13-0.16 against 0.23-0.27), since a group's results depend on its
+        members anyway."""
         return self.bf16_gemm and dtype == torch.bfloat16
 
     @staticmethod
@@ -124,10 +126,7 @@ class PagedDecodeKernel:
         lengths = torch.arange(prefix + 1, prefix + e + 1, dtype=torch.int64)
         if self.gemm(e, self.rows_dtype(k_pool, q)):
             if k_pool.dtype == torch.int8:  # the GEMM kernel packs bf16 rows: this request's, dequantised once
-                heads, idx = self.shape.num_kv_heads, kv_index.reshape(-1)
-                k_pool, v_pool = (dequantize_slots(pool.index_select(0, idx), heads, q.dtype)
-                                  for pool in (k_pool, v_pool))
-                kv_index = torch.arange(kv_index.numel())
+                k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, q.dtype)
             return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
 
@@ -142,13 +141,16 @@ class PagedDecodeKernel:
         and how often their pages were freed, see ``torch_native_plan``). Packing was half the kernel's time for a
         batch of decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
         lengths = torch.full((q.shape[0],), kv_index.numel(), dtype=torch.int64)
-        packed = self.prefix_pack(k_pool, v_pool, kv_index, layer, reuse)
+        packed = self.prefix_pack(k_pool, v_pool, kv_index, layer, reuse, q.dtype)
+        if packed is None and k_pool.dtype == torch.int8:  # nothing kept: this call's rows, dequantised
+            k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, q.dtype)
         return self._gemm(q, k_pool, v_pool, kv_index, lengths, packed)
 
     def prefix_pack(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor, layer: int,
-                    reuse: Hashable | None) -> list[torch.Tensor] | None:
-        """The packed prefix (pack_prefix's (K, V)) of one layer's slots ``kv_index`` kept under ``reuse``, packed
-        now if it is not yet and the budget allows; None where nothing is kept (no key, or over the budget)."""
+                    reuse: Hashable | None, dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """The packed prefix (pack_prefix's (K, V), in ``dtype``: the rows' :meth:`rows_dtype`) of one layer's slots
+        ``kv_index`` kept under ``reuse``, packed now if it is not yet and the budget allows (an int8 pool's rows
+        dequantised first); None where nothing is kept (no key, or over the budget)."""
         if reuse is None:
             return None
         layers = self._packed.setdefault(reuse, {})
@@ -156,13 +158,23 @@ class PagedDecodeKernel:
         packed = layers.get(where)
         if packed is None:
             padded = -(-kv_index.numel() // 32) * 32
-            need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * k_pool.element_size()
+            need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * dtype.itemsize
             if self._packed_bytes + need <= PACKED_PREFIX_BYTES:
+                if k_pool.dtype == torch.int8:
+                    k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, dtype)
                 packed = self.kernels.pack_prefix(k_pool, v_pool, kv_index, self.shape.num_kv_heads,
                                                   self.shape.head_dim)
                 layers[where] = packed
                 self._packed_bytes += need
         return packed
+
+    def _dequantised(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows ``kv_index`` of two int8 pools as ``dtype`` pools of their own, with the index into them."""
+        idx = kv_index.reshape(-1)
+        k_rows, v_rows = (dequantize_slots(pool.index_select(0, idx), self.shape.num_kv_heads, dtype)
+                          for pool in (k_pool, v_pool))
+        return k_rows, v_rows, torch.arange(idx.numel())
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, o_shared: torch.Tensor, lse_shared: torch.Tensor) -> None:
         """A cascade group's rows: ``out`` ``[n, H, D]`` over their own KV (log-sum-exp ``lse`` ``[n, H]``) merged in

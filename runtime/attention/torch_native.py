@@ -122,11 +122,15 @@ class TorchNativeBackend(AttentionBackend):
         shared: list[SharedRead] = []
         dec = meta.decode
         if casc is not None:  # every row in a group, in order (then meta.decode is None): see forward
+            # kv.shape.dtype: the dtype the rows reach the kernel in (an int8 pool's dequantised into the packs)
             if dec is not None or casc.rows is not None or casc.prefills or not self.paged.gemm_shared(
-                    batch.kv.shape.storage_dtype):
+                    batch.kv.shape.dtype):
                 return None
             dec = casc.decode
             shared = [SharedRead(p.start, p.end, p.slots, self._prefix_packs(batch, p)) for p in casc.shared]
+            # the stack packs a group's prefix from the pool when nothing is kept: a bf16 pool's only
+            if batch.kv.shape.int8 and any(pack is None for read in shared for pack in read.packs):
+                return None
         if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
         return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)
@@ -136,7 +140,8 @@ class TorchNativeBackend(AttentionBackend):
         assert self.paged is not None
         kv = batch.kv
         return [self.paged.prefix_pack(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1),
-                                       part.slots, i, part.reuse_key) for i in range(kv.shape.num_layers)]
+                                       part.slots, i, part.reuse_key, kv.shape.dtype)
+                for i in range(kv.shape.num_layers)]
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -248,7 +253,7 @@ class TorchNativeBackend(AttentionBackend):
         hkv, g, d = self.shape.num_kv_heads, self.group, self.shape.head_dim
         for part in casc.shared:
             p, n = part.prefix_len, part.end - part.start
-            if self.paged is not None and self.paged.gemm_shared(k_pool.dtype):  # bf16 GEMMs, in place
+            if self.paged is not None and self.paged.gemm_shared(self.paged.rows_dtype(k_pool, q)):  # bf16 GEMMs
                 o_sh, lse_sh = self.paged.shared(q[part.start : part.end], k_pool, v_pool, part.slots, layer_id,
                                                  part.reuse_key)
                 self.paged.merge(out[part.start : part.end], lse[part.start : part.end], o_sh, lse_sh)

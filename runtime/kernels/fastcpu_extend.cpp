@@ -235,7 +235,7 @@ std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_poo
 }
 
 // q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S);
-// packed: pack_prefix's result for these slots, or none (packed here). Returns (out [T, H, D] float32,
+// packed: pack_prefix's result for these slots (the pools are then not read), or none (packed here). Returns (out [T, H, D] float32,
 // lse [T, H] float32).
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
@@ -246,7 +246,12 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   q = fastcpu::float_queries(q);
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
-  check_pools(k_pool, v_pool, kv_index, hkv, d);
+  if (packed.has_value()) {  // the pack holds the prefix's K and V, so the pools are not read (an int8 pool's included)
+    TORCH_CHECK((d == 64 || d == 128) && kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64,
+                "head dim must be 64 or 128 and kv_index int64 [S]");
+  } else {
+    check_pools(k_pool, v_pool, kv_index, hkv, d);
+  }
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == t_count, "lengths must be int64 [T]");
   kv_index = kv_index.contiguous();
   lengths = lengths.contiguous();

@@ -56,7 +56,7 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
     # and the steps that admit them mix prefill chunks with decode rows (those the stack declines)
     alone = [[rng.randrange(3, 49000) for _ in range(200)]]
     batch = [shared + [rng.randrange(3, 49000) for _ in range(n)] for n in (5, 40, 77)] + [alone[0][:33]]
-    # four under a 400-token block: cascade groups (their shared part through the GEMM kernel on a bf16 pool)
+    # four under a 400-token block: cascade groups (their shared part through the GEMM kernel for a bf16 model)
     block = [rng.randrange(3, 49000) for _ in range(400)]
     grouped = [block + [rng.randrange(3, 49000) for _ in range(n)] for n in (3, 20, 41, 60)]
     with checked_engine("default", max_total_tokens=8192, **FORMATS[fmt]) as eng:
@@ -67,9 +67,9 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
         with_stack = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]
         assert counted.taken >= 2 * 11 - 2, "decode steps ran without the stack"
         assert counted.declined > 0, "no mixed step reached the stack"
-        # cascade groups go through the stack where their shared part takes the GEMM kernel (a bf16 pool)
-        gemm_shared = eng.inspect(
-            lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.storage_dtype))
+        # cascade groups go through the stack where their shared part takes the GEMM kernel (rows reaching it in
+        # bf16: a bf16 pool, or an int8 pool under a bf16 model, dequantised into the kept packs)
+        gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
         assert (counted.taken_grouped >= 5) == gemm_shared
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
         by_layer = [generate(eng, alone), generate(eng, batch), generate(eng, grouped)]

@@ -259,7 +259,7 @@ def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(l
     """A 150-token chunk over a cached prefix; three 20-token chunks, and four decode rows, under one shared
     prefix (a cascade group whose shared part the GEMM kernel attends, merged by LSE): the backend's output
     equals the gather path's (SDPA) within bf16's precision. A bf16 model over an int8 pool: the long chunk's rows
-    reach the GEMM kernel dequantised to bf16, the group's shared part is gathered."""
+    reach the GEMM kernel dequantised to bf16, and so does the group's shared prefix, in the pack kept for it."""
     shape = AttentionShape(9, 3, 64)
     fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
     outs = []
