@@ -9,9 +9,10 @@ result is the layer-by-layer one bit for bit (tests/runtime/test_decode_stack.py
 It is built where that path would run the packed kernels for every layer: a CPU model with packed weights, the
 torch_native backend reading the pool in place, no tensor parallelism, no per-head q/k norm (Qwen3), activations in
 float32 or bfloat16. Per batch it takes decode rows only (no prefill chunk) of up to the rows the packed kernels take,
-with a pool in the activations' dtype, either outside cascade groups or all in groups whose shared prefix goes
-through the GEMM kernel (a bf16 pool, where the CPU has AVX512_BF16): a few-shot batch decoding under its shared
-block. Any other batch runs layer by layer.
+with a pool in the activations' dtype or the int8 format, either outside cascade groups or all in groups whose shared
+prefix goes through the GEMM kernel (bf16 activations, where the CPU has AVX512_BF16; over an int8 pool, from the
+dequantised packs the backend keeps): a few-shot batch decoding under its shared block. Any other batch runs layer
+by layer.
 """
 
 from __future__ import annotations
