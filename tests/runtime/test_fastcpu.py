@@ -272,6 +272,28 @@ def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(l
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
 
 
+@requires_bf16_dot
+def test_an_int8_groups_prefix_over_the_pack_budget_is_dequantised_per_call(monkeypatch):
+    """With no room to keep a pack, a group's shared prefix over an int8 pool is dequantised for each call, and the
+    native decode stack (which packs from the pool itself, a bf16 pool only) is not offered the batch."""
+    from runtime.attention import paged_decode
+
+    monkeypatch.setattr(paged_decode, "PACKED_PREFIX_BYTES", 0)
+    shape = AttentionShape(9, 3, 64)
+    fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
+    outs = []
+    for backend in (fast, gather):
+        batch, q, k_new, v_new = decode_batch(shape, [1000, 1010, 1020, 1030], 990, seed=5, dtype=torch.bfloat16,
+                                              int8_kv=True)
+        backend.plan(batch)
+        assert batch.attn_metadata.cascade is not None
+        if backend is fast:
+            assert backend.decode_in_place(batch) is None
+        outs.append(backend.forward(q, k_new, v_new, 0, batch).float())
+    assert fast.paged is not None and all(not fast.paged.kept(key) for key in fast.paged.kept_keys)
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
     """bf16 weights are packed for linear_bf16 where the kernels have it (and then serve decode batches up to
     BF16_DOT_SMALL_M rows without AMX), else k-major for the widening kernel; both give the bf16 product."""
