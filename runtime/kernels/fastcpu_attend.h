@@ -22,13 +22,13 @@ constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are 
 // from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
 // 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
 // An int8 row (d values and a 4-byte scale) starts anywhere in a cache line: its first and last bytes are fetched.
-template <typename KV, _mm_hint Hint = _MM_HINT_T0>
+template <typename KV>
 inline void prefetch_row(const KV* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, Hint);
-  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, Hint);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
 }
 
 // The scale of an int8 KV row (the float32 after its d values: radix/kv_int8.py); 1 for float rows, never applied.

@@ -144,14 +144,6 @@ inline void softmax_range(float (*s)[kRange], int64_t group, int64_t n, int64_t 
   }
 }
 
-// The K pass asks for each position's V row into L2 as it scores the position: the V pass then reads from cache,
-// and the two passes keep as many rows in flight from memory as K and V read side by side did.
-template <typename KV>
-inline void prefetch_value(const KV* v_pool, const int64_t* slots, int64_t j, int64_t slot_stride, int64_t head_off,
-                           int64_t d) {
-  prefetch_row<KV, _MM_HINT_T1>(v_pool + slots[j] * slot_stride + head_off, d);
-}
-
 // A head's query as int16 for vpdpwssd: q * 32767 / max|q| rounded to nearest even, 32 values per vector in
 // order; returns the factor back (max|q| / 32767; 0 for an all-zero query, whose vectors are then 0).
 template <int NC>
@@ -203,7 +195,6 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
       }
       const int8_t* kr = k_pool + slots[j + t] * slot_stride + head_off;
       if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      prefetch_value(v_pool, slots, j + t, slot_stride, head_off, d);
       k_scale[t] = row_scale(kr, d);
       __m512i kc[NC];
       for (int c = 0; c < NC; ++c) kc[c] = widen(kr + c * 32);
