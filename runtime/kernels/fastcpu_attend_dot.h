@@ -144,6 +144,13 @@ inline void softmax_range(float (*s)[kRange], int64_t group, int64_t n, int64_t 
   }
 }
 
+// int16 steps of max / 32767: the factor into them (0 for an all-zero max, whose values then round to 0), and 16
+// values rounded to nearest even into them (saturating, though |x| <= max never exceeds 32767).
+inline __m512 int16_steps(float max) { return _mm512_set1_ps(max > 0.f ? 32767.f / max : 0.f); }
+inline __m256i to_int16(__m512 x, __m512 inv) {
+  return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv)));
+}
+
 // A head's query as int16 for vpdpwssd: q * 32767 / max|q| rounded to nearest even, 32 values per vector in
 // order; returns the factor back (max|q| / 32767; 0 for an all-zero query, whose vectors are then 0).
 template <int NC>
@@ -151,11 +158,10 @@ inline float quantize_query(const float* q, __m512i (&out)[NC]) {
   __m512 amax = _mm512_setzero_ps();
   for (int i = 0; i < 2 * NC; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + 16 * i)));
   const float mx = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+  const __m512 inv = int16_steps(mx);
   for (int c = 0; c < NC; ++c) {
-    const __m256i lo = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * c), inv)));
-    const __m256i hi =
-        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * c + 16), inv)));
+    const __m256i lo = to_int16(_mm512_loadu_ps(q + 32 * c), inv);
+    const __m256i hi = to_int16(_mm512_loadu_ps(q + 32 * c + 16), inv);
     out[c] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
   return mx / 32767.f;
@@ -182,7 +188,6 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
   __m512i qv[G][NC];
   for (int g = 0; g < G; ++g) q_scale[g] = quantize_query<NC>(q + g * d, qv[g]) * scale;
   alignas(64) float s[G][kRange];
-  alignas(64) float v_scale[kRange];
   for (int64_t j = j0; j < j1; j += kTile) {
     const int64_t n = std::min<int64_t>(kTile, j1 - j);
     alignas(64) float k_scale[kTile];
@@ -190,7 +195,7 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
     for (int64_t t = 0; t < kTile; ++t) {
       if (t >= n) {
         for (int g = 0; g < G; ++g) dp[g][t] = v16i{};
-        k_scale[t] = v_scale[j - j0 + t] = 0.f;
+        k_scale[t] = 0.f;
         continue;
       }
       const int8_t* kr = k_pool + slots[j + t] * slot_stride + head_off;
@@ -216,16 +221,15 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
     const int64_t n = std::min<int64_t>(kTile, j1 - j);
     // Each head's weights on the tile's int8 values: probability times the V row's scale, as int16 over the
     // tile's largest.
-    for (int64_t t = 0; t < n; ++t) v_scale[j - j0 + t] = row_scale(v_pool + slots[j + t] * slot_stride + head_off, d);
+    alignas(64) float v_scale[kTile] = {};  // 0 past the tile's positions
+    for (int64_t t = 0; t < n; ++t) v_scale[t] = row_scale(v_pool + slots[j + t] * slot_stride + head_off, d);
     alignas(64) uint32_t pw[G][kTile / 2];
     float w_scale[G];
     for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_mul_ps(_mm512_load_ps(&s[g][j - j0]), _mm512_load_ps(&v_scale[j - j0]));
+      const __m512 w = _mm512_mul_ps(_mm512_load_ps(&s[g][j - j0]), _mm512_load_ps(v_scale));
       const float w_max = _mm512_reduce_max_ps(w);
       w_scale[g] = w_max / 32767.f;
-      const __m512 inv = _mm512_set1_ps(w_max > 0.f ? 32767.f / w_max : 0.f);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]),
-                         _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w, inv))));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), to_int16(w, int16_steps(w_max)));
     }
     __m512i iacc_e[G][NC], iacc_o[G][NC];
     for (int g = 0; g < G; ++g)

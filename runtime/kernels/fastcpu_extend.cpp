@@ -235,8 +235,8 @@ std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_poo
 }
 
 // q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S);
-// packed: pack_prefix's result for these slots (the pools are then not read), or none (packed here). Returns (out [T, H, D] float32,
-// lse [T, H] float32).
+// packed: pack_prefix's result for these slots (the pools are then not read), or none (packed here). Returns
+// (out [T, H, D] float32, lse [T, H] float32).
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
                                             int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed) {
