@@ -12,8 +12,8 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
   layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format);
 - a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
-- the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows, where the host
-  has the instructions;
+- the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
+  169, a few-shot prefill's rows), where the host has the instructions;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``).
 
@@ -127,7 +127,7 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         for rows in (1, 8):
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
     if k_this.int8_vnni():
-        for rows in (1, 8):
+        for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     return out

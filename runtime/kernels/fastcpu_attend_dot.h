@@ -204,8 +204,8 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
       __m512i kc[NC];
       for (int c = 0; c < NC; ++c) kc[c] = widen(kr + c * 32);
       for (int g = 0; g < G; ++g) {
-        __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[g][0], kc[0]);
-        for (int c = 1; c < NC; ++c) a = _mm512_dpwssd_epi32(a, qv[g][c], kc[c]);
+        __m512i a = dpwssd(_mm512_setzero_si512(), qv[g][0], kc[0]);
+        for (int c = 1; c < NC; ++c) a = dpwssd(a, qv[g][c], kc[c]);
         dp[g][t] = (v16i)a;
       }
     }
@@ -245,8 +245,8 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
         const __m512i lo = _mm512_unpacklo_epi16(a, b), hi16 = _mm512_unpackhi_epi16(a, b);
         for (int g = 0; g < G; ++g) {
           const __m512i p = _mm512_set1_epi32(static_cast<int>(pw[g][t / 2]));
-          iacc_e[g][c] = _mm512_dpwssd_epi32(iacc_e[g][c], lo, p);
-          iacc_o[g][c] = _mm512_dpwssd_epi32(iacc_o[g][c], hi16, p);
+          iacc_e[g][c] = dpwssd(iacc_e[g][c], lo, p);
+          iacc_o[g][c] = dpwssd(iacc_o[g][c], hi16, p);
         }
       }
     }

@@ -28,6 +28,22 @@
 
 namespace fastcpu {
 
+#ifdef FASTCPU_VNNI
+// acc + the dot products of a's and b's 4-byte (dpbusd: unsigned x signed bytes) or 2-word (dpwssd: int16 pairs)
+// groups, accumulated in place. Written as asm because GCC 12 compiled the intrinsics' accumulator arrays in
+// linear_int8's tiles into copies in and out of a second register set on every k-group (two vmovdqa per dot
+// product); the "+v" operand keeps each accumulator in its register. Measured: 7-20% faster int8 linears from
+// L2 at 8-169 rows (same instructions otherwise, so the same bits).
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
