@@ -64,7 +64,9 @@ class ModelInfo:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs):
-        args = args.resolve() if args.device == "auto" or args.dtype == "auto" else args
+        # resolve() is idempotent: args with a concrete device and dtype still get their other defaults and
+        # validate()'s checks (a runner built in-process from hand-made args otherwise skipped both)
+        args = args.resolve()
         self.args = args
         self.tp_size = args.tp_size
         self.device = rank_device(torch.device(args.device), 0) if args.tp_size > 1 else torch.device(args.device)

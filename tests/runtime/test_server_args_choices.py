@@ -9,6 +9,7 @@ from dataclasses import fields
 import pytest
 
 from runtime.config import ServerArgs, add_server_args
+from runtime.executor.model_runner import ModelRunner
 
 CHOICE_FIELDS = {f.name: f.metadata["choices"] for f in fields(ServerArgs) if f.metadata.get("choices")}
 
@@ -38,3 +39,13 @@ def test_the_cli_takes_the_same_choices(name, capsys):
 def test_every_log_level_is_accepted():
     for level in CHOICE_FIELDS["log_level"]:
         ServerArgs(device="cpu", log_level=level).validate()
+
+
+def test_a_model_runner_checks_args_whose_device_and_dtype_are_already_concrete():
+    """Hand-made args (an in-process runner) get resolve()'s checks and defaults too, not only "auto" ones."""
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: 'fp8' is not one of"):
+        ModelRunner(ServerArgs(model="random:tiny", device="cpu", dtype="float32", kv_cache_dtype="fp8"))
+    runner = ModelRunner(ServerArgs(model="random:tiny", device="cpu", dtype="float32", max_total_tokens=256,
+                                    log_level="warning"))
+    assert runner.args.chunked_prefill_size == 1024 and runner.args.mem_fraction_static == 0.2
+    assert runner.args.disable_cuda_graph
