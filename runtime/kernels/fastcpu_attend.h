@@ -66,7 +66,6 @@ inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
   return correction;
 }
 
-
 // Two accumulators of pairs of positions (vdpbf16ps, vpdpwssd over value rows interleaved word by word with
 // unpacklo/hi_epi16, within 128-bit lanes) written back as dims in order: dim c*32 + k, k in 128-bit lane
 // L = k / 8 and word w = k % 8, is the unpacklo accumulator's lane 4L + w for w < 4, the unpackhi one's

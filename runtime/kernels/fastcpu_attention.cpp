@@ -121,13 +121,14 @@ template <typename KV>
 using AttendFn = void (*)(const float*, int64_t, int64_t, const KV*, const KV*, int64_t, int64_t, const int64_t*,
                           int64_t, int64_t, float, const int64_t*, float*, float*, float*);
 
-// The instance of attend_range for G heads of dim 16 * nv: head dims 64 and 128 with the head counts that
-// grouped-query models give alone or for a few tokens at once, the general one otherwise.
-// The (heads, head dim / 16) instances of the dot-product kernels (fastcpu_attend_dot.h).
-#define FASTCPU_DOT_SHAPES(CASE) \
+// The (heads, head dim / 16) shapes compiled for every kernel: head dims 64 and 128 with the head counts that
+// grouped-query models give alone or for a few tokens at once. The portable kernel has three more.
+#define FASTCPU_ATTEND_SHAPES(CASE) \
   CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4) CASE(6, 4) CASE(8, 4) CASE(9, 4) CASE(12, 4) \
   CASE(1, 8) CASE(2, 8) CASE(4, 8) CASE(8, 8)
 
+// The instance for G heads of dim 16 * nv: a dot-product kernel where the pool, the queries and the CPU allow,
+// else attend_range's for the shape, else the general attend_range.
 template <typename KV>
 AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
 #ifdef FASTCPU_BF16_DOT
@@ -135,7 +136,7 @@ AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
     if (bf16_queries) {
 #define FASTCPU_ATTEND_BF16(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range_bf16<g, n>;
-      FASTCPU_DOT_SHAPES(FASTCPU_ATTEND_BF16)
+      FASTCPU_ATTEND_SHAPES(FASTCPU_ATTEND_BF16)
 #undef FASTCPU_ATTEND_BF16
     }
   }
@@ -146,18 +147,16 @@ AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
   if constexpr (std::is_same_v<KV, int8_t>) {
 #define FASTCPU_ATTEND_I8(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range_i8<g, n>;
-    FASTCPU_DOT_SHAPES(FASTCPU_ATTEND_I8)
+    FASTCPU_ATTEND_SHAPES(FASTCPU_ATTEND_I8)
 #undef FASTCPU_ATTEND_I8
   }
 #endif
 #define FASTCPU_ATTEND_CASE(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range<KV, g, n>;
-  FASTCPU_ATTEND_CASE(1, 4) FASTCPU_ATTEND_CASE(2, 4) FASTCPU_ATTEND_CASE(3, 4) FASTCPU_ATTEND_CASE(4, 4)
-  FASTCPU_ATTEND_CASE(6, 4) FASTCPU_ATTEND_CASE(8, 4) FASTCPU_ATTEND_CASE(9, 4) FASTCPU_ATTEND_CASE(12, 4)
-  FASTCPU_ATTEND_CASE(15, 4) FASTCPU_ATTEND_CASE(16, 4)
-  FASTCPU_ATTEND_CASE(1, 8) FASTCPU_ATTEND_CASE(2, 8) FASTCPU_ATTEND_CASE(4, 8) FASTCPU_ATTEND_CASE(8, 8)
-  FASTCPU_ATTEND_CASE(16, 8)
+  FASTCPU_ATTEND_SHAPES(FASTCPU_ATTEND_CASE)
+  FASTCPU_ATTEND_CASE(15, 4) FASTCPU_ATTEND_CASE(16, 4) FASTCPU_ATTEND_CASE(16, 8)
 #undef FASTCPU_ATTEND_CASE
+#undef FASTCPU_ATTEND_SHAPES
   return &attend_range<KV, 0, 0>;
 }
 
