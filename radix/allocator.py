@@ -10,6 +10,8 @@ their KV there without touching anyone's data. Capacity therefore counts pages `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from radix.errors import DoubleFreeError, KVOutOfMemoryError, UnownedSlotError
@@ -110,6 +112,22 @@ class PagedAllocator:
             return head
         return torch.cat([head, self.alloc(n_tokens - room)])
 
+    def alloc_next(self, cur_lens: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
+        """One more slot for each of several sequences (a decode step's), in one allocation.
+
+        Sequence ``i`` holds ``cur_lens[i]`` tokens, its last in slot ``last_slots[i]`` (read only when its
+        page has room). The slots are those ``alloc_extend(cur_lens[i], last_slots[i], 1)`` would give each in
+        turn: the next slot of a page with room, else the first slot of a fresh page, fresh pages handed out in
+        the sequences' order.
+        """
+        ps = self.page_size
+        out = [last + 1 for last in last_slots] if ps > 1 else [0] * len(cur_lens)
+        fresh = [i for i, n in enumerate(cur_lens) if n % ps == 0]
+        if fresh:
+            for i, page in zip(fresh, self.alloc_pages(len(fresh)).tolist()):
+                out[i] = page * ps
+        return torch.tensor(out, dtype=torch.int64)
+
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages that ``slots`` lie on.
 
@@ -185,6 +203,11 @@ class ReqToTokenPool:
                 f"request needs {end} positions but the table holds {self.max_context_len} per request"
             )
         self.table[row, start:end] = slots
+
+    def write_next(self, rows: Sequence[int], positions: Sequence[int], slots: torch.Tensor) -> None:
+        """``table[rows[i], positions[i]] = slots[i]`` for every i: one position of each of several rows (each
+        below ``max_context_len``: the caller checks before it allocates)."""
+        self.table[list(rows), list(positions)] = slots.to(self.table.device)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.table[row, start:end]

@@ -266,6 +266,36 @@ class PrefixCache(ABC):
         state.kv_len += n_tokens
         return slots
 
+    def alloc_decode_tokens(self, states: Sequence[ReqKV]) -> torch.Tensor:
+        """One slot more for each of ``states`` (a decode step's rows), evicting cached entries if needed: the
+        slots ``alloc_tokens(state, 1)`` gives each in turn, in one allocation and one table write instead of a
+        few small tensor operations per request (~30 us each on a CPU host, per decode row and step)."""
+        if not states:
+            return EMPTY_SLOTS
+        alloc = self.allocator
+        ps = self.page_size
+        lens = [s.kv_len for s in states]
+        table = self.req_to_token
+        if max(lens) >= table.max_context_len:
+            raise KVOutOfMemoryError(
+                f"request needs {max(lens) + 1} positions but the table holds {table.max_context_len} per request"
+            )
+        need = sum(1 for n in lens if n % ps == 0) * ps
+        if need > alloc.free_size:
+            self.evict(need - alloc.free_size)
+            if need > alloc.free_size:
+                raise KVOutOfMemoryError(
+                    f"{len(states)} decode rows need {need} more KV tokens; free {alloc.free_size}, evictable "
+                    f"{self.evictable_size}, protected {self.protected_size}"
+                )
+        rows = [s.row for s in states]
+        last = table.table[rows, [max(n - 1, 0) for n in lens]].tolist() if ps > 1 else []
+        slots = alloc.alloc_next(lens, last)
+        table.write_next(rows, lens, slots)
+        for s in states:
+            s.kv_len += 1
+        return slots
+
     def private_size(self, state: ReqKV) -> int:
         """Tokens of capacity held privately by ``state`` (whole pages)."""
         return self.allocator.pages_for(state.kv_len) * self.page_size - state.protected_len

@@ -255,9 +255,9 @@ class Scheduler:
         self._collect_grammars()
         self._make_decode_room()
         plans = [PrefillPlan(r, 1) for r in self.running]
-        for plan in plans:
-            assert plan.req.kv is not None
-            self.cache.alloc_tokens(plan.req.kv, 1)
+        states = [r.kv for r in self.running if r.kv is not None]
+        assert len(states) == len(self.running)
+        self.cache.alloc_decode_tokens(states)
         if self.spec is not None:
             self.spec.add_drafts(plans, self.cache, self.runner.context_length)
         num_decodes = len(plans)

@@ -247,6 +247,52 @@ def test_alloc_tokens_evicts_and_reports_oom():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("ps", [1, 4])
+def test_decode_allocation_gives_each_row_the_slot_of_a_one_token_allocation(ps):
+    """alloc_decode_tokens (one call per decode step) must hand out exactly what alloc_tokens(state, 1) gives
+    the rows in turn: mid-page rows their page's next slot, the others fresh pages in order."""
+    lens = [0, 3, 4, 7, 1, 8]
+    caches, states = [], []
+    for _ in range(2):
+        cache, _ = make(ps=ps, cap=128)
+        rows = [cache.new_request() for _ in lens]
+        for st, n in zip(rows, lens):
+            cache.alloc_tokens(st, n)
+        caches.append(cache)
+        states.append(rows)
+    for _ in range(6):
+        for st in states[0]:
+            caches[0].alloc_tokens(st, 1)
+        caches[1].alloc_decode_tokens(states[1])
+    assert torch.equal(caches[0].req_to_token.table, caches[1].req_to_token.table)
+    assert [st.kv_len for st in states[1]] == [n + 6 for n in lens]
+    assert caches[1].allocator.free_size == caches[0].allocator.free_size
+    caches[1].check_integrity(states[1])
+
+
+def test_decode_allocation_evicts_and_reports_oom_before_taking_anything():
+    from radix import KVOutOfMemoryError
+
+    cache, alloc = make(cap=8)
+    cache_seq(cache, [1, 2, 3, 4, 5, 6])
+    a, b = cache.new_request(), cache.new_request()
+    cache.alloc_tokens(a, 1)
+    cache.alloc_tokens(b, 1)
+    cache.alloc_decode_tokens([a, b])  # no slot is free: evicts the cached sequence
+    assert cache.evictable_size == 0 and a.kv_len == b.kv_len == 2
+    cache.alloc_decode_tokens([a, b])
+    cache.alloc_decode_tokens([a, b])
+    free = alloc.free_size
+    assert free == 0
+    with pytest.raises(KVOutOfMemoryError):
+        cache.alloc_decode_tokens([a, b])
+    assert (a.kv_len, b.kv_len, alloc.free_size) == (4, 4, free), "nothing taken by the failed call"
+    cache.check_integrity([a, b])
+    cache.release_req(a)
+    cache.release_req(b)
+    cache.check_integrity()
+
+
 def test_naive_cache_shares_nothing():
     alloc = PagedAllocator(32, 1)
     cache = NaiveCache(alloc, ReqToTokenPool(4, 64))
