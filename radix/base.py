@@ -244,6 +244,18 @@ class PrefixCache(ABC):
         """Tokens that can be allocated now, evicting if needed."""
         return self.allocator.free_size + self.evictable_size
 
+    def make_room(self, need: int, who: str) -> None:
+        """Evict cached entries until ``need`` device tokens are free; KVOutOfMemoryError (naming ``who``) when
+        even that is not enough. Nothing is allocated here."""
+        alloc = self.allocator
+        if need > alloc.free_size:
+            self.evict(need - alloc.free_size)
+            if need > alloc.free_size:
+                raise KVOutOfMemoryError(
+                    f"{who} needs {need} more KV tokens; free {alloc.free_size}, evictable "
+                    f"{self.evictable_size}, protected {self.protected_size}"
+                )
+
     def alloc_tokens(self, state: ReqKV, n_tokens: int) -> torch.Tensor:
         """Slots for ``n_tokens`` more positions of ``state``, evicting cached entries if needed."""
         if n_tokens <= 0:
@@ -252,14 +264,7 @@ class PrefixCache(ABC):
         ps = self.page_size
         used = state.kv_len % ps
         fresh = max(0, n_tokens - ((ps - used) % ps if used else 0))
-        need = alloc.pages_for(fresh) * ps
-        if need > alloc.free_size:
-            self.evict(need - alloc.free_size)
-            if need > alloc.free_size:
-                raise KVOutOfMemoryError(
-                    f"request needs {need} more KV tokens; free {alloc.free_size}, evictable "
-                    f"{self.evictable_size}, protected {self.protected_size}"
-                )
+        self.make_room(alloc.pages_for(fresh) * ps, "request")
         last = int(self.req_to_token.table[state.row, state.kv_len - 1]) if state.kv_len else 0
         slots = alloc.alloc_extend(state.kv_len, last, n_tokens)
         self.req_to_token.write(state.row, state.kv_len, slots)
@@ -280,14 +285,7 @@ class PrefixCache(ABC):
             raise KVOutOfMemoryError(
                 f"request needs {max(lens) + 1} positions but the table holds {table.max_context_len} per request"
             )
-        need = sum(1 for n in lens if n % ps == 0) * ps
-        if need > alloc.free_size:
-            self.evict(need - alloc.free_size)
-            if need > alloc.free_size:
-                raise KVOutOfMemoryError(
-                    f"{len(states)} decode rows need {need} more KV tokens; free {alloc.free_size}, evictable "
-                    f"{self.evictable_size}, protected {self.protected_size}"
-                )
+        self.make_room(sum(1 for n in lens if n % ps == 0) * ps, f"{len(states)} decode rows")
         rows = [s.row for s in states]
         last = table.table[rows, [max(n - 1, 0) for n in lens]].tolist() if ps > 1 else []
         slots = alloc.alloc_next(lens, last)

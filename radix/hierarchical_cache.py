@@ -182,14 +182,7 @@ class HierarchicalRadixCache(RadixCache):
 
     def _alloc_device(self, n_tokens: int) -> torch.Tensor:
         alloc = self.allocator
-        need = alloc.pages_for(n_tokens) * self.page_size
-        if need > alloc.free_size:
-            self.evict(need - alloc.free_size)
-            if need > alloc.free_size:
-                raise KVOutOfMemoryError(
-                    f"loading {n_tokens} tokens back from the host needs {need} device tokens; free "
-                    f"{alloc.free_size}, evictable {self.evictable_size}, protected {self.protected_size}"
-                )
+        self.make_room(alloc.pages_for(n_tokens) * self.page_size, f"loading {n_tokens} tokens back from the host")
         return alloc.alloc(n_tokens)
 
     # ------------------------------------------------------------------ insert
