@@ -26,12 +26,19 @@ constexpr int64_t kPanel = 64;
 constexpr int64_t kPairElems = kPanel * 2;  // bf16 values of one k pair of a panel (256 bytes)
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of the loads the panel is fetched
 
-// The activation rows as bf16 pairs: [M, ceil(K/2)] 32-bit words (zero past K).
-std::vector<uint32_t> pair_rows(const float* x, int64_t ldx, int64_t m, int64_t k) {
-  const int64_t pairs = (k + 1) / 2;
+// The activation rows as bf16 pairs: [M, ceil(K/2)] 32-bit words (zero past K). bf16 rows are copied as they
+// are (what rounding their fp32 widening to bf16 would give back); fp32 rows are rounded.
+std::vector<uint32_t> pair_rows(const torch::Tensor& x, int64_t m, int64_t k) {
+  const int64_t pairs = (k + 1) / 2, ldx = x.stride(0);
   std::vector<uint32_t> out(m * pairs + 16, 0);
+  if (x.scalar_type() == torch::kBFloat16) {
+    const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < m; ++r) std::memcpy(out.data() + r * pairs, xb + r * ldx, k * sizeof(at::BFloat16));
+    return out;
+  }
+  const float* xf = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
-    const float* xr = x + r * ldx;
+    const float* xr = xf + r * ldx;
     uint32_t* o = out.data() + r * pairs;
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) fastcpu::bf16_pairs32(xr + i, o + i / 2);
@@ -47,8 +54,8 @@ std::vector<uint32_t> pair_rows(const float* x, int64_t ldx, int64_t m, int64_t 
 
 // MR rows x the panel's 64 columns (4 vectors of 16).
 template <int MR>
-inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, float* y, int64_t ldy, int64_t cn,
-                 const float* bias, bool accumulate) {
+inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, const fastcpu::ProductDest& out,
+                 int64_t cn, const float* bias) {
   constexpr int NV = 4;
   __m512 acc[MR][NV];
   for (int a = 0; a < MR; ++a)
@@ -69,12 +76,7 @@ inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, float
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int a = 0; a < MR; ++a) {
-      float* yr = y + a * ldy + col;
-      __m512 val = _mm512_add_ps(acc[a][v], bi);
-      if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask, yr));
-      _mm512_mask_storeu_ps(yr, mask, val);
-    }
+    for (int a = 0; a < MR; ++a) out.store(a, col, _mm512_add_ps(acc[a][v], bi), mask, std::min<int64_t>(16, left));
   }
 }
 
@@ -82,7 +84,7 @@ inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, float
 // vectors and a broadcast fit the 32 vector registers), so each weight vector is loaded once per block. Blocks
 // of 8 rows in two half-width passes measured slower at 6, 8 and 12 rows (one core, SmolLM2's shapes).
 void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_t* packed, const float* bias,
-                      float* y, int64_t ldy, int64_t n, bool accumulate) {
+                      const fastcpu::ProductDest& dest, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -91,14 +93,14 @@ void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16
       const float* bp = bias ? bias + c0 : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += 6) {
         const uint32_t* xr = xp + r0 * pairs;
-        float* yr = y + r0 * ldy + c0;
+        const fastcpu::ProductDest out = dest.at(r0, c0);
         switch (std::min<int64_t>(6, m - r0)) {
-          case 6: tile<6>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
-          case 5: tile<5>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
-          case 4: tile<4>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
-          case 3: tile<3>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
-          case 2: tile<2>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
-          default: tile<1>(xr, pairs, panel, yr, ldy, cn, bp, accumulate); break;
+          case 6: tile<6>(xr, pairs, panel, out, cn, bp); break;
+          case 5: tile<5>(xr, pairs, panel, out, cn, bp); break;
+          case 4: tile<4>(xr, pairs, panel, out, cn, bp); break;
+          case 3: tile<3>(xr, pairs, panel, out, cn, bp); break;
+          case 2: tile<2>(xr, pairs, panel, out, cn, bp); break;
+          default: tile<1>(xr, pairs, panel, out, cn, bp); break;
         }
       }
     }
@@ -122,17 +124,18 @@ bool bf16_dot() {
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> out) {
 #ifdef FASTCPU_BF16_DOT
-  const torch::Tensor xf = fastcpu::float_rows(x);
-  const int64_t m = xf.size(0), k = xf.size(1), pairs = (k + 1) / 2;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
               packed.size(1) == pairs && packed.size(2) == kPairElems && packed.size(0) * kPanel >= n,
               "packed weight must be bfloat16 [ceil(N/64), ceil(K/2), 128]");
   const float* bp = fastcpu::bias_data(bias, n);
   fastcpu::LinearOutput y(out, x, m, n);
   if (m > 0) {
-    const std::vector<uint32_t> xp = pair_rows(xf.data_ptr<float>(), xf.stride(0), m, k);
+    const std::vector<uint32_t> xp = pair_rows(x, m, k);
     linear_bf16_impl(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
-                     y.data(), y.ld(), n, y.accumulate());
+                     y.dest(), n);
   }
   return y.finish();
 #else

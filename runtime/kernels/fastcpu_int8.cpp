@@ -41,7 +41,17 @@ struct QuantRows {
   int64_t ld = 0, nb = 0, block = 0;
 };
 
-QuantRows quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
+// 16 activations (the lanes of `mask`, zero elsewhere) widened to fp32: bf16 exactly, by a 16-bit shift.
+inline __m512 load_ps(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 load_ps(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Rows of x (float or bfloat16, read as they are: no fp32 copy first) quantised; rows in parallel when there are
+// enough of them to pay for a parallel region (a prefill chunk's, not a decode batch's).
+template <typename T>
+QuantRows quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t block) {
   QuantRows out;
   out.block = block;
   out.nb = (k + block - 1) / block;
@@ -49,31 +59,33 @@ QuantRows quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64
   out.q.assign(m * out.ld, 0);
   out.scale.assign(m * out.nb, 0.f);
   out.corr.assign(m, 0.f);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < out.nb; ++b) {
-      const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t i = k0; i < k1; i += 16) {
-        const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(mask, x + r * ldx + i)));
+  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r_begin, int64_t r_end) {
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      for (int64_t b = 0; b < out.nb; ++b) {
+        const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t i = k0; i < k1; i += 16) {
+          const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(load_ps(x + r * ldx + i, mask)));
+        }
+        const float mx = _mm512_reduce_max_ps(amax);
+        if (!(mx > 0.f)) continue;  // an all-zero block stays zero (scale 0)
+        const __m512 inv = _mm512_set1_ps(127.0f / mx);
+        __m512i sum = _mm512_setzero_si512();
+        int8_t* qr = out.q.data() + r * out.ld;
+        for (int64_t i = k0; i < k1; i += 16) {
+          const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
+          // cvtps rounds to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, so the
+          // saturating narrow only guards against it.
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_ps(x + r * ldx + i, mask), inv));
+          sum = _mm512_add_epi32(sum, qi);
+          _mm_mask_storeu_epi8(qr + i, mask, _mm512_cvtsepi32_epi8(qi));
+        }
+        out.scale[r * out.nb + b] = mx / 127.0f;
+        out.corr[r] += out.scale[r * out.nb + b] * static_cast<float>(128 * _mm512_reduce_add_epi32(sum));
       }
-      const float mx = _mm512_reduce_max_ps(amax);
-      if (!(mx > 0.f)) continue;  // an all-zero block stays zero (scale 0)
-      const __m512 inv = _mm512_set1_ps(127.0f / mx);
-      __m512i sum = _mm512_setzero_si512();
-      int8_t* qr = out.q.data() + r * out.ld;
-      for (int64_t i = k0; i < k1; i += 16) {
-        const __mmask16 mask = k1 - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k1 - i)) - 1);
-        // cvtps rounds to nearest even (the default MXCSR mode); |x * inv| <= 127 up to rounding, so the
-        // saturating narrow only guards against it.
-        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + r * ldx + i), inv));
-        sum = _mm512_add_epi32(sum, qi);
-        _mm_mask_storeu_epi8(qr + i, mask, _mm512_cvtsepi32_epi8(qi));
-      }
-      out.scale[r * out.nb + b] = mx / 127.0f;
-      out.corr[r] += out.scale[r * out.nb + b] * static_cast<float>(128 * _mm512_reduce_add_epi32(sum));
     }
-  }
+  });
   return out;
 }
 
@@ -81,8 +93,8 @@ QuantRows quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int64
 // block, folded into fp32 accumulators at each block's end; MR and NV are template constants so that both
 // stay in registers (2 * MR * NV + NV + 1 of the 32 zmm registers).
 template <int MR, int NV>
-inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, int64_t c0, float* y,
-                 int64_t ldy, int64_t cn, const float* scale, const float* bias, bool accumulate) {
+inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, int64_t c0,
+                 const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias) {
   __m512 facc[MR][NV];
   for (int a = 0; a < MR; ++a)
     for (int v = 0; v < NV; ++v) facc[a][v] = _mm512_setzero_ps();
@@ -120,30 +132,27 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
     const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + col);
     const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int a = 0; a < MR; ++a) {
-      float* yr = y + a * ldy + col;
-      __m512 val = _mm512_fmadd_ps(_mm512_sub_ps(facc[a][v], _mm512_set1_ps(xq.corr[r0 + a])), sc, bi);
-      if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask, yr));
-      _mm512_mask_storeu_ps(yr, mask, val);
-    }
+    for (int a = 0; a < MR; ++a)
+      out.store(a, col, _mm512_fmadd_ps(_mm512_sub_ps(facc[a][v], _mm512_set1_ps(xq.corr[r0 + a])), sc, bi), mask,
+                std::min<int64_t>(16, left));
   }
 }
 
 // Up to 3 rows take the whole panel width in one pass (each weight vector loaded once for all rows); 4..6
 // rows take half of it per pass.
 template <int MR>
-inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, float* y,
-                          int64_t ldy, int64_t cn, const float* scale, const float* bias, bool accumulate) {
+inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, const fastcpu::ProductDest& out,
+                          int64_t cn, const float* scale, const float* bias) {
   if constexpr (MR <= 3) {
-    tile<MR, 4>(xq, r0, groups, panel, 0, y, ldy, cn, scale, bias, accumulate);
+    tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias);
   } else {
-    tile<MR, 2>(xq, r0, groups, panel, 0, y, ldy, cn, scale, bias, accumulate);
-    if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, y, ldy, cn, scale, bias, accumulate);
+    tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias);
+    if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, out, cn, scale, bias);
   }
 }
 
 void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
-                      const float* bias, float* y, int64_t ldy, int64_t n, bool accumulate) {
+                      const float* bias, const fastcpu::ProductDest& dest, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   // Work items are (panel, chunk of kChunkRows rows), a panel's chunks in a row so that a thread keeps its
   // panel in cache across them: with whole panels only, a 576-column layer's 9 panels split 5 / 4 over two
@@ -158,14 +167,14 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
       const float* sp = scale + c0;
       const float* bp = bias ? bias + c0 : nullptr;
       for (int64_t r0 = r_begin; r0 < r_end; r0 += 6) {
-        float* yr = y + r0 * ldy + c0;
+        const fastcpu::ProductDest out = dest.at(r0, c0);
         switch (std::min<int64_t>(6, r_end - r0)) {
-          case 6: rows_of_panel<6>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 5: rows_of_panel<5>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 4: rows_of_panel<4>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 3: rows_of_panel<3>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 2: rows_of_panel<2>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          default: rows_of_panel<1>(xq, r0, groups, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 6: rows_of_panel<6>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          case 5: rows_of_panel<5>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          case 4: rows_of_panel<4>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          case 3: rows_of_panel<3>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          case 2: rows_of_panel<2>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          default: rows_of_panel<1>(xq, r0, groups, panel, out, cn, sp, bp); break;
         }
       }
     }
@@ -189,8 +198,9 @@ bool int8_vnni() {
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block) {
 #ifdef FASTCPU_VNNI
-  const torch::Tensor xf = fastcpu::float_rows(x);
-  const int64_t m = xf.size(0), k = xf.size(1), groups = (k + 3) / 4;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), groups = (k + 3) / 4;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kByte &&
               packed.size(1) == groups && packed.size(2) == kGroupBytes && packed.size(0) * kPanel >= n,
               "packed weight must be uint8 [ceil(N/64), ceil(K/4), 256]");
@@ -200,9 +210,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torc
   fastcpu::LinearOutput y(out, x, m, n);
   if (m > 0) {
     const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
-    const QuantRows xq = quantize_rows(xf.data_ptr<float>(), xf.stride(0), m, k, blk);
-    linear_int8_impl(xq, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.data(), y.ld(), n,
-                     y.accumulate());
+    const QuantRows xq = x.scalar_type() == torch::kBFloat16
+                             ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k, blk)
+                             : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k, blk);
+    linear_int8_impl(xq, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.dest(), n);
   }
   return y.finish();
 #else
