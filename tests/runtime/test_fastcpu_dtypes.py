@@ -82,6 +82,27 @@ def test_linear_adds_into_a_bf16_residual_as_torch_would(k, kernel):
     torch.testing.assert_close(res32, expected32, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [name for name in linear_calls(KERNELS) if name in ("int8 vnni", "bfloat16 pairs")])
+def test_a_row_gets_the_same_bits_alone_or_among_many(k, kernel):
+    """The int8 and bf16 dot-product kernels compute each row on its own: quantised (int8, in parallel over rows
+    from ~56 rows of K = 576) or paired (bf16) straight from its bf16 values, and stored by its own tile, so a row's
+    product and residual update are the same bits in a batch of 1 or of 139 (several 48-row chunks)."""
+    call = linear_calls(k)[kernel]
+    g = torch.Generator().manual_seed(5)
+    m, kdim, n = 139, 576, 200
+    w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(m, kdim, generator=g).bfloat16()
+    many = call(x, w, b, None)
+    residual = (torch.randn(m, n, generator=g) * 30).bfloat16()
+    together = residual.clone()
+    call(x, w, None, together)
+    for r in (0, 47, 48, 100, 138):
+        assert torch.equal(call(x[r : r + 1], w, b, None), many[r : r + 1]), r
+        alone = residual[r : r + 1].clone()
+        call(x[r : r + 1], w, None, alone)
+        assert torch.equal(alone, together[r : r + 1]), r
+
+
 def test_linear_refuses_other_dtypes(k):
     pw = pack_weight(torch.randn(16, 32), "float32", "kmajor")
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
