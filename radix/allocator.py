@@ -196,17 +196,20 @@ class ReqToTokenPool:
         self._used.discard(row)
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        end = start + slots.numel()
+    def check_fits(self, end: int) -> None:
+        """KVOutOfMemoryError unless a request's positions up to ``end`` (exclusive) fit a row of the table."""
         if end > self.max_context_len:
             raise KVOutOfMemoryError(
                 f"request needs {end} positions but the table holds {self.max_context_len} per request"
             )
-        self.table[row, start:end] = slots
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.check_fits(start + slots.numel())
+        self.table[row, start : start + slots.numel()] = slots
 
     def write_next(self, rows: Sequence[int], positions: Sequence[int], slots: torch.Tensor) -> None:
-        """``table[rows[i], positions[i]] = slots[i]`` for every i: one position of each of several rows (each
-        below ``max_context_len``: the caller checks before it allocates)."""
+        """``table[rows[i], positions[i]] = slots[i]`` for every i: one position of each of several rows (the
+        caller checks ``check_fits`` before it allocates)."""
         self.table[list(rows), list(positions)] = slots.to(self.table.device)
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:

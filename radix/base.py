@@ -281,10 +281,7 @@ class PrefixCache(ABC):
         ps = self.page_size
         lens = [s.kv_len for s in states]
         table = self.req_to_token
-        if max(lens) >= table.max_context_len:
-            raise KVOutOfMemoryError(
-                f"request needs {max(lens) + 1} positions but the table holds {table.max_context_len} per request"
-            )
+        table.check_fits(max(lens) + 1)
         self.make_room(sum(1 for n in lens if n % ps == 0) * ps, f"{len(states)} decode rows")
         rows = [s.row for s in states]
         last = table.table[rows, [max(n - 1, 0) for n in lens]].tolist() if ps > 1 else []

@@ -124,8 +124,7 @@ bool bf16_dot() {
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> out) {
 #ifdef FASTCPU_BF16_DOT
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  fastcpu::check_activation_rows(x);
   const int64_t m = x.size(0), k = x.size(1), pairs = (k + 1) / 2;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
               packed.size(1) == pairs && packed.size(2) == kPairElems && packed.size(0) * kPanel >= n,

@@ -141,8 +141,8 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
 // Up to 3 rows take the whole panel width in one pass (each weight vector loaded once for all rows); 4..6
 // rows take half of it per pass.
 template <int MR>
-inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, const fastcpu::ProductDest& out,
-                          int64_t cn, const float* scale, const float* bias) {
+inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel,
+                          const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias) {
   if constexpr (MR <= 3) {
     tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias);
   } else {
@@ -194,12 +194,12 @@ bool int8_vnni() {
 }
 
 // y = x @ W.T * scale (+ bias) (+= out), W packed as above ([ceil(N/64), ceil(K/4), 256] uint8), x float32 or
-// bfloat16 [M, K] (y in its dtype, fastcpu::LinearOutput) quantised per row in blocks of `block` k values (a multiple of 16; 0: one block per row).
+// bfloat16 [M, K] (y in its dtype, fastcpu::LinearOutput) quantised per row in blocks of `block` k values (a
+// multiple of 16; 0: one block per row).
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block) {
 #ifdef FASTCPU_VNNI
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+  fastcpu::check_activation_rows(x);
   const int64_t m = x.size(0), k = x.size(1), groups = (k + 3) / 4;
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == torch::kByte &&
               packed.size(1) == groups && packed.size(2) == kGroupBytes && packed.size(0) * kPanel >= n,

@@ -204,11 +204,17 @@ inline void parallel_by_cost(int64_t n, const Cost& cost, const Fn& fn) {
 // converting here costs a loop over a few thousand values, where a conversion through torch from Python cost
 // ~5 us of dispatch per tensor, a dozen times per layer of a decode step.
 
+// What the linear kernels take as activations: float32 or bfloat16 [M, K] with contiguous rows.
+inline void check_activation_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "x must be float32 or bfloat16");
+}
+
 // x as float32 rows with contiguous elements: x itself, or a widened copy of a bfloat16 x (exact).
 inline torch::Tensor float_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  check_activation_rows(x);
   if (x.scalar_type() == torch::kFloat32) return x;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
   const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
   torch::Tensor xf = torch::empty({m, k}, x.options().dtype(torch::kFloat32));
   const at::BFloat16* src = x.data_ptr<at::BFloat16>();
