@@ -14,10 +14,13 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 - a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
   169, a few-shot prefill's rows), where the host has the instructions;
+- the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
+  batch 8 under a kept 1,050-key shared block with ~40 own positions per row (a few-shot batch), bf16 and int8
+  weights over a bf16 pool;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``).
 
-    python benchmarks/bench_kernel_ab.py --base REV [--rounds 16] [--threads 2] [--json out.json]
+    python benchmarks/bench_kernel_ab.py --base REV [--rounds 16] [--threads 2] [--only TEXT] [--json out.json]
 """
 
 from __future__ import annotations
@@ -102,6 +105,44 @@ def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, a
     return run
 
 
+def stack_case(fmt: str, k_this: ModuleType, g: torch.Generator, batch: int = 8, prefix: int = 1050,
+               own: int = 40) -> Case:
+    """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows under one shared
+    ``prefix`` (packed once, as the backend keeps it) with ``own`` positions each, ``fmt`` weights, a bf16 pool."""
+    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+    hidden = LINEAR_SHAPES[0][1]
+    weights = [[pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for n, kk in LINEAR_SHAPES]
+               for _ in range(LAYERS)]
+    norms = [(torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16()) for _ in range(LAYERS)]
+    slots = prefix + batch * (own + 1) + 64
+    k_buf = (torch.randn(LAYERS, slots, KV_HEADS, DIM, generator=g) * 0.5).bfloat16()
+    v_buf = torch.randn(LAYERS, slots, KV_HEADS, DIM, generator=g).bfloat16()
+    shared = torch.arange(prefix)
+    packs = [k_this.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared, KV_HEADS, DIM)
+             for i in range(LAYERS)]
+    kv_index = torch.stack([prefix + r * (own + 1) + torch.arange(own + 1) for r in range(batch)])
+    lengths = torch.full((batch,), own + 1, dtype=torch.int64)
+    new_slots = kv_index[:, -1].contiguous()
+    angle = torch.rand(batch, DIM, generator=g)
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    x = (torch.randn(batch, hidden, generator=g) * 0.1).bfloat16()
+    built: dict[int, Any] = {}
+
+    def run(k: ModuleType) -> None:
+        if id(k) not in built:  # each build's own stack over the same packed weights
+            stack = k.DecodeStack(HEADS, KV_HEADS, DIM, 1e-5, SCALE)
+            for layer, (n1, n2) in zip(weights, norms):
+                stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
+                                [None] * 4)
+            group = k.SharedGroup(0, batch, shared, torch.full((batch,), prefix, dtype=torch.int64),
+                                  [list(p) for p in packs])
+            built[id(k)] = (stack, group)
+        stack, group = built[id(k)]
+        stack.run(x.clone(), cos, sin, new_slots, kv_index, lengths, k_buf, v_buf, [group])
+
+    return run
+
+
 def argmax_case(g: torch.Generator) -> Case:
     """The sampler's greedy pick with each build: its argmax_rows, or torch.max where the build has none."""
     logits = torch.randn(8, VOCAB, generator=g)
@@ -129,6 +170,10 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
     if k_this.int8_vnni():
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
+    if k_this.bf16_dot():
+        out["decode stack, batch 8 under a 1,050-key shared block, bf16 weights"] = stack_case("bfloat16", k_this, g)
+        if k_this.int8_vnni():
+            out["decode stack, batch 8 under a 1,050-key shared block, int8 weights"] = stack_case("int8", k_this, g)
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     return out
 
@@ -154,6 +199,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="the git revision whose kernels are compared with this checkout's")
     ap.add_argument("--rounds", type=int, default=16, help="alternations per case (default 16)")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    ap.add_argument("--only", default="", metavar="TEXT", help="run only the cases whose name contains TEXT")
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -162,6 +208,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {"cpu": cpu_simd(), "threads": a.threads, "base": a.base, "rounds": a.rounds}
     for name, case in cases(builds["this"], g).items():
+        if a.only not in name:
+            continue
         ms = measure(builds, case, a.rounds)
         result[name] = ms if isinstance(ms, str) else {"base_ms": round(ms["base"], 4), "this_ms": round(ms["this"], 4),
                                                         "this_vs_base": round(ms["this"] / ms["base"], 3)}
