@@ -396,7 +396,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "x @ W.T over VNNI-packed int8 weights, x quantised per row block");
   m.def("int8_vnni", &int8_vnni, "whether linear_int8 was built (the CPU has AVX512-VNNI)");
   m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
-  m.def("extend_attention", &extend_attention,
+  // the overload without a fetch plan (the one with one is the decode stack's)
+  using ExtendAttention = std::vector<torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                                         torch::Tensor, double, int64_t,
+                                                         c10::optional<std::vector<torch::Tensor>>);
+  m.def("extend_attention", static_cast<ExtendAttention>(&extend_attention),
         "many tokens of one request against one row of bf16 KV slots with bf16 dot products; (out, lse)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("kv_index"), py::arg("lengths"), py::arg("scale"),
         py::arg("num_kv_heads"), py::arg("packed") = py::none());

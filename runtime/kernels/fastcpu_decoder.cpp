@@ -123,12 +123,15 @@ class DecodeStack {
       std::vector<torch::Tensor> own = decode_attention(q, k_pool, v_pool, kv_index, c10::nullopt, lengths, scale_,
                                                         kv_heads_);
       const torch::Tensor attn = own[0].contiguous();
+      // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
+      fastcpu::FetchPlan next;
+      for (const Linear* lin : {&layer.o, &layer.gate_up, &layer.down}) next.add(lin->weight.data);
       for (const SharedGroup& g : shared) {
         const int64_t n = g.end - g.start;
         c10::optional<std::vector<torch::Tensor>> pack;
         if (!g.packs.empty() && !g.packs[i].empty()) pack = g.packs[i];
         std::vector<torch::Tensor> part = extend_attention(q.narrow(0, g.start, n), k_pool, v_pool, g.slots, g.lengths,
-                                                           scale_, kv_heads_, pack);
+                                                           scale_, kv_heads_, pack, &next);
         merge_attention(attn.narrow(0, g.start, n), own[1].narrow(0, g.start, n), part[0], part[1]);
       }
       layer.o.run(attn.view({t, q_size}), residual);

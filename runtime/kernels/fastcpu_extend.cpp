@@ -15,6 +15,7 @@
 //
 // Built only where FASTCPU_BF16_DOT is set (fastcpu_vec.h); bf16_dot() tells (the callers check it).
 
+#include "fastcpu_fetch.h"
 #include "fastcpu_vec.h"
 
 #include <memory>
@@ -124,12 +125,13 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const
 // product that one tile at a time did (24 accumulators, 3 key vectors and a broadcast in the 32 registers).
 template <int NT>
 inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float scale, float* sc,
-                        int64_t ldsc) {
+                        int64_t ldsc, FetchCursor& fetch) {
   __m512 acc[kRows][NT];
   for (int r = 0; r < kRows; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint16_t* kt = kp + tile * pairs * kKeys * 2;
   for (int64_t i = 0; i < pairs; ++i) {
+    fetch.tick();
     __m512bh kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(kt + (t * pairs + i) * kKeys * 2);
     for (int r = 0; r < kRows; ++r) {
@@ -145,10 +147,10 @@ inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, i
 // Scores of kRows query rows against key tiles [0, tiles). A score's sum over the dims runs in the same order
 // whichever pass computes it.
 void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float scale, float* sc,
-                int64_t ldsc) {
+                int64_t ldsc, FetchCursor& fetch) {
   int64_t tile = 0;
-  for (; tile + 3 <= tiles; tile += 3) score_tiles<3>(qp, pairs, kp, tile, scale, sc, ldsc);
-  for (; tile < tiles; ++tile) score_tiles<1>(qp, pairs, kp, tile, scale, sc, ldsc);
+  for (; tile + 3 <= tiles; tile += 3) score_tiles<3>(qp, pairs, kp, tile, scale, sc, ldsc, fetch);
+  for (; tile < tiles; ++tile) score_tiles<1>(qp, pairs, kp, tile, scale, sc, ldsc, fetch);
 }
 
 // Row r's softmax over its first len keys, in place; writes its probabilities as bf16 pairs (zero from len on,
@@ -182,11 +184,13 @@ std::pair<float, float> softmax_row(float* s, int64_t len, int64_t padded, uint3
 
 // out[r][:] = sum over key pairs of probabilities x values, for RB rows (NV = D / 16 accumulators each).
 template <int RB, int NV>
-void value_rows(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, float* out, int64_t ldo) {
+void value_rows(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, float* out, int64_t ldo,
+                FetchCursor& fetch) {
   __m512 acc[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t jp = 0; jp < key_pairs; ++jp) {
+    fetch.tick();
     __m512bh v[NV];
     for (int c = 0; c < NV; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + jp * NV * 32 + c * 32);
     for (int r = 0; r < RB; ++r) {
@@ -200,11 +204,11 @@ void value_rows(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16
 
 template <int NV>
 void value_block(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, float* out, int64_t ldo,
-                 int64_t rows) {
+                 int64_t rows, FetchCursor& fetch) {
   constexpr int RB = NV <= 4 ? kPvRows : 2;
   int64_t r = 0;
-  for (; r + RB <= rows; r += RB) value_rows<RB, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo);
-  for (; r < rows; ++r) value_rows<1, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo);
+  for (; r + RB <= rows; r += RB) value_rows<RB, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo, fetch);
+  for (; r < rows; ++r) value_rows<1, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo, fetch);
 }
 
 #endif  // FASTCPU_BF16_DOT
@@ -235,11 +239,13 @@ std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_poo
 }
 
 // q [T, H, D] (float32 or bfloat16); pools bfloat16 [slots, Hkv * D]; kv_index int64 [S]; lengths int64 [T] (1..S);
-// packed: pack_prefix's result for these slots (the pools are then not read), or none (packed here). Returns
+// packed: pack_prefix's result for these slots (the pools are then not read), or none (packed here); fetch:
+// weights the threads ask for between their dot products (fastcpu_fetch.h), or none. Returns
 // (out [T, H, D] float32, lse [T, H] float32).
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
-                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed) {
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed,
+                                            const fastcpu::FetchPlan* fetch) {
 #ifdef FASTCPU_BF16_DOT
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [T, H, D]");
@@ -295,6 +301,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     return nrows * keys;
   };
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
+    FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
     std::vector<uint32_t> qp(kRows * pairs);
     std::vector<float> sc(kRows * padded);
     std::vector<uint32_t> pp(kRows * padded / 2);
@@ -313,7 +320,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
       const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
-      score_rows(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded);
+      score_rows(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded, ahead);
       float mx[kRows], total[kRows];
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group;
@@ -322,9 +329,9 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       }
       const int64_t key_pairs = used / 2;
       if (d == 64)
-        value_block<4>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows);
+        value_block<4>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows, ahead);
       else
-        value_block<8>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows);
+        value_block<8>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows, ahead);
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
         const float inv = 1.0f / total[r];
@@ -341,17 +348,48 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
 #endif
 }
 
+std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed) {
+  return extend_attention(std::move(q), std::move(k_pool), std::move(v_pool), std::move(kv_index),
+                          std::move(lengths), scale, num_kv_heads, std::move(packed), nullptr);
+}
+
 // A cascade group's rows: `out` [n, H, D] (attention over each row's own KV, with log-sum-exp `lse` [n, H])
 // becomes attention over own + shared KV, given the shared part's `o_shared` / `lse_shared`. The shared part's
-// weight is sigmoid(lse_shared - lse), runtime/attention/cascade.py has the derivation; fp32 whatever out's dtype.
+// weight is sigmoid(lse_shared - lse), runtime/attention/cascade.py has the derivation; fp32 whatever out's dtype,
+// rounded once into out's dtype. One pass over the rows in place: the torch expression it replaces (sigmoid, lerp
+// and the dtype conversions) was six ATen calls and five temporaries per layer of a decode step, ~12 us of
+// dispatch for a few thousand values. The interpolation is torch.lerp's (start + w (end - start) below w = 0.5,
+// end - (end - start)(1 - w) from there), so a weight of 0 or 1 gives back one side exactly.
 // The layer-by-layer path and the decode stack both merge here, so the two give the same bits.
 void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared) {
   TORCH_CHECK(out.dim() == 3 && lse.dim() == 2 && out.sizes() == o_shared.sizes() && lse.sizes() == lse_shared.sizes()
-                  && lse.scalar_type() == torch::kFloat32 && lse_shared.scalar_type() == torch::kFloat32,
+                  && lse.scalar_type() == torch::kFloat32 && lse_shared.scalar_type() == torch::kFloat32
+                  && out.size(0) == lse.size(0) && out.size(1) == lse.size(1),
               "merge_attention: out / o_shared [n, H, D], lse / lse_shared [n, H] float32");
-  const torch::Tensor w = torch::sigmoid(lse_shared - lse).unsqueeze(-1);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16,
+              "merge_attention: out must be float32 or bfloat16");
+  const torch::Tensor os = o_shared.to(torch::kFloat32).contiguous(), ls = lse_shared.contiguous();
+  const int64_t n = out.size(0), h = out.size(1), d = out.size(2);
+  const float* osp = os.data_ptr<float>();
+  const float* lsp = ls.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  const auto merge = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t head = 0; head < h; ++head) {
+        const float w = 1.0f / (1.0f + std::exp(lp[r * lse.stride(0) + head * lse.stride(1)] - lsp[r * h + head]));
+        T* row = o + r * out.stride(0) + head * out.stride(1);
+        const float* shared = osp + (r * h + head) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          const float a = static_cast<float>(row[c * out.stride(2)]), diff = shared[c] - a;
+          row[c * out.stride(2)] = static_cast<T>(w < 0.5f ? a + w * diff : shared[c] - diff * (1.0f - w));
+        }
+      }
+  };
   if (out.scalar_type() == torch::kFloat32)
-    out.lerp_(o_shared.to(torch::kFloat32), w);
+    merge(out.data_ptr<float>());
   else
-    out.copy_(out.to(torch::kFloat32).lerp_(o_shared.to(torch::kFloat32), w));
+    merge(out.data_ptr<at::BFloat16>());
 }

@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include "fastcpu_fetch.h"
+
 #include <vector>
 
 // fastcpu.cpp
@@ -33,6 +35,11 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
 std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
                                             int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed);
+// the same, its threads asking for `fetch`'s weights between their dot products (fastcpu_fetch.h)
+std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                            torch::Tensor kv_index, torch::Tensor lengths, double scale,
+                                            int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed,
+                                            const fastcpu::FetchPlan* fetch);
 std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
                                        int64_t num_kv_heads, int64_t head_dim);
 void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared);

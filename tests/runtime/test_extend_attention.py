@@ -177,3 +177,41 @@ def test_backend_reuses_the_pack_while_the_prefix_is_untouched_and_repacks_when_
     # a group without a key (no history known) keeps nothing, and what was kept under other keys is dropped
     run(fast, None)
     assert fast.paged.kept_keys == set()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_attention_kernel_joins_two_parts_as_the_softmax_over_their_union(dtype):
+    """merge_attention (one pass in place, the decode stack's and the layer path's) against the exact attention
+    over both key sets: the merged rows match it to the out dtype's rounding, and they match the torch merge
+    (runtime/attention/cascade.py) as closely. ``out`` is a narrowed view of a larger batch, as the stack hands it;
+    rows outside the view are untouched. A part that is all of the weight (an own part with no keys: lse -inf)
+    gives the other part back exactly."""
+    from runtime.attention.cascade import merge_attention_
+
+    g = torch.Generator().manual_seed(3)
+    rows, heads, dim, n_own, n_shared = 6, 9, 64, 7, 40
+    q = torch.randn(rows, heads, dim, generator=g, dtype=torch.float64)
+    k_own, v_own = (torch.randn(rows, heads, n_own, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k_sh, v_sh = (torch.randn(heads, n_shared, dim, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def part(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.einsum("rhd,rhkd->rhk", q, k) / dim**0.5
+        return torch.einsum("rhk,rhkd->rhd", s.softmax(-1), v), s.logsumexp(-1)
+
+    o_own, l_own = part(k_own, v_own)
+    o_sh, l_sh = part(k_sh.expand(rows, -1, -1, -1), v_sh.expand(rows, -1, -1, -1))
+    exact, _ = part(torch.cat([k_own, k_sh.expand(rows, -1, -1, -1)], 2),
+                    torch.cat([v_own, v_sh.expand(rows, -1, -1, -1)], 2))
+    l_own[0, 0] = -float("inf")  # row 0, head 0: no own keys, the shared part is the whole answer
+    exact[0, 0] = o_sh[0, 0]
+    batch = torch.zeros(rows + 2, heads, dim, dtype=dtype)
+    batch[1:-1] = o_own.to(dtype)
+    out = batch.narrow(0, 1, rows)
+    torch_merged = o_own.to(dtype).clone()
+    KERNELS.merge_attention(out, l_own.float(), o_sh.float(), l_sh.float())
+    merge_attention_(torch_merged, l_own.float(), o_sh.float(), l_sh.float())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(out.double(), exact, **tol)
+    torch.testing.assert_close(out, torch_merged, **tol)
+    assert torch.equal(out[0, 0], o_sh[0, 0].float().to(dtype))
+    assert not batch[0].any() and not batch[-1].any()
