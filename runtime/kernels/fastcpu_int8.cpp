@@ -22,6 +22,7 @@
 // Built only where the compiler targets AVX512-VNNI (-march=native on such a host); elsewhere int8 weights
 // use linear_packed's convert-to-float path (int8_vnni() tells which).
 
+#include "fastcpu_fetch.h"
 #include "fastcpu_vec.h"
 
 namespace {
@@ -94,7 +95,8 @@ QuantRows quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t b
 // stay in registers (2 * MR * NV + NV + 1 of the 32 zmm registers).
 template <int MR, int NV>
 inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, int64_t c0,
-                 const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias) {
+                 const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias,
+                 const fastcpu::PassFetch& fetch) {
   __m512 facc[MR][NV];
   for (int a = 0; a < MR; ++a)
     for (int v = 0; v < NV; ++v) facc[a][v] = _mm512_setzero_ps();
@@ -108,10 +110,7 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
     const int64_t g1 = std::min(groups, (b + 1) * block_groups);
     for (int64_t g = b * block_groups; g < g1; ++g) {
       const uint8_t* wg = panel + g * kGroupBytes + c0 * 4;
-      if (c0 == 0) {  // the first pass over the panel brings it in: ask for all of it a few groups ahead
-        const char* ahead = reinterpret_cast<const char*>(panel + (g + kPrefetchGroups) * kGroupBytes);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-      }
+      fetch.at(g);
       __m512i w[NV];
       for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wg + 64 * v);
       for (int a = 0; a < MR; ++a) {
@@ -139,15 +138,16 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
 }
 
 // Up to 3 rows take the whole panel width in one pass (each weight vector loaded once for all rows); 4..6
-// rows take half of it per pass.
+// rows take half of it per pass. `fetch` says what each pass over the panel asks for ahead (PanelFetch).
 template <int MR>
 inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel,
-                          const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias) {
+                          const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias,
+                          fastcpu::PanelFetch& fetch) {
   if constexpr (MR <= 3) {
-    tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias);
+    tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
   } else {
-    tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias);
-    if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, out, cn, scale, bias);
+    tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
+    if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, out, cn, scale, bias, fetch.next_pass());
   }
 }
 
@@ -159,22 +159,27 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
   // threads at prefill sizes.
   constexpr int64_t kChunkRows = 48;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t panel_bytes = groups * kGroupBytes;
   at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / chunks, r_begin = (i % chunks) * kChunkRows, r_end = std::min(m, r_begin + kChunkRows);
-      const uint8_t* panel = packed + p * groups * kGroupBytes;
+      const uint8_t* panel = packed + p * panel_bytes;
+      // this thread's next panel (none after its last item; the same panel while its row chunks go on)
+      const int64_t p_next = (i + 1) / chunks;
+      fastcpu::PanelFetch fetch(i % chunks == 0 ? panel + kPrefetchGroups * kGroupBytes : nullptr,
+                                i + 1 < i1 && p_next != p ? packed + p_next * panel_bytes : nullptr, groups);
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       const float* sp = scale + c0;
       const float* bp = bias ? bias + c0 : nullptr;
       for (int64_t r0 = r_begin; r0 < r_end; r0 += 6) {
         const fastcpu::ProductDest out = dest.at(r0, c0);
         switch (std::min<int64_t>(6, r_end - r0)) {
-          case 6: rows_of_panel<6>(xq, r0, groups, panel, out, cn, sp, bp); break;
-          case 5: rows_of_panel<5>(xq, r0, groups, panel, out, cn, sp, bp); break;
-          case 4: rows_of_panel<4>(xq, r0, groups, panel, out, cn, sp, bp); break;
-          case 3: rows_of_panel<3>(xq, r0, groups, panel, out, cn, sp, bp); break;
-          case 2: rows_of_panel<2>(xq, r0, groups, panel, out, cn, sp, bp); break;
-          default: rows_of_panel<1>(xq, r0, groups, panel, out, cn, sp, bp); break;
+          case 6: rows_of_panel<6>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
+          case 5: rows_of_panel<5>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
+          case 4: rows_of_panel<4>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
+          case 3: rows_of_panel<3>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
+          case 2: rows_of_panel<2>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
+          default: rows_of_panel<1>(xq, r0, groups, panel, out, cn, sp, bp, fetch); break;
         }
       }
     }
