@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t kPanel = 64;
 constexpr int64_t kGroupBytes = kPanel * 4;  // one k-group of a panel
-constexpr int64_t kPrefetchGroups = 8;  // how far ahead (in k-groups, 256 bytes each) the weights are fetched
+constexpr int64_t kPrefetchGroups = 16;  // how far ahead (in k-groups, 256 bytes each) the weights are fetched
 
 // The activations quantised per row and block: q [M, ld] int8 (zero past K), scale [M, nb], and each row's
 // offset correction corr [M] = sum over its blocks of scale * 128 * sum(q).
