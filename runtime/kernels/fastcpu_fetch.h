@@ -12,6 +12,9 @@
 // FetchPlan lists the weights (packed linear layers: [panels, ...] rows of equal bytes); FetchCursor is one
 // thread's share of it, split the way the linear kernels split panels between threads (at::parallel_for over
 // panels: contiguous chunks of ceil(panels / threads)), and hands out one line per tick().
+//
+// The same idea inside a linear kernel: PanelFetch (below) has the passes over one panel that compute from cache
+// ask for the thread's next panel.
 #pragma once
 
 #include <torch/extension.h>
