@@ -233,8 +233,9 @@ def engine_decode(model: str, bs: int, ctx: int, new: int) -> dict[str, float]:
 def hf_decode(torch: Any, model: str, bs: int, ctx: int, new: int) -> float:
     from transformers import AutoModelForCausalLM
 
+    from runtime.models.folders import is_random_model
     from runtime.models.loader import resolve_model_path
-    from runtime.models.random_model import is_random_model, random_model_config
+    from runtime.models.random_model import random_model_config
 
     if is_random_model(model):
         with torch.device("cuda"):

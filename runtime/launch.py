@@ -1,19 +1,26 @@
 """Start and stop the server: child processes first, the HTTP port only once the model is loaded.
 
 Processes start with ``spawn``. Each child reports readiness (or its error) on a private socket; the
-port opens after both are ready. SIGINT/SIGTERM stop uvicorn, then the children are terminated. If a
+detokenizer loads its tokenizer once the scheduler has named the tokenizer's class, and the port opens
+after both are ready. SIGINT/SIGTERM stop uvicorn, then the children are terminated. If a
 child dies, pending and new requests get 503 and the server exits with status 1. Children die with
 the parent (PR_SET_PDEATHSIG) and also notice a vanished parent on their own, so none is orphaned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +28,7 @@ import zmq
 
 from runtime.config import ServerArgs
 from runtime.logging_setup import configure_logging
-from runtime.server.ipc import Endpoints, ProcessReady, decode, pull
+from runtime.server.ipc import Endpoints, ProcessReady, TokenizerChoice, decode, encode, pull, push
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT = 900.0
@@ -38,22 +45,30 @@ def served_name(args: ServerArgs, original_model: str) -> str:
 
 
 class Children:
-    def __init__(self, args: ServerArgs, endpoints: Endpoints):
-        from runtime.server.detokenizer_process import run_detokenizer_process
+    """The scheduler and the detokenizer processes. Once the scheduler is ready, the detokenizer and this
+    process load the tokenizer class the scheduler's ``AutoTokenizer`` picked, which spares each of them the
+    model config's import chain (seconds of CPU that would otherwise compete with the model load)."""
+
+    def __init__(self, endpoints: Endpoints):
+        self.endpoints = endpoints
+        self.ctx = mp.get_context("spawn")
+        self.procs: dict[str, BaseProcess] = {}
+
+    def start_scheduler(self, args: ServerArgs) -> None:
         from runtime.server.scheduler_process import run_scheduler_process
 
-        ctx = mp.get_context("spawn")
-        me = os.getpid()
-        self.procs = {
-            "scheduler": ctx.Process(target=run_scheduler_process, args=(args, endpoints, me),
-                                     name="radixserve-scheduler"),
-            "detokenizer": ctx.Process(target=run_detokenizer_process, args=(args, endpoints, me),
-                                       name="radixserve-detokenizer"),
-        }
+        self._start("scheduler", run_scheduler_process, args)
 
-    def start(self) -> None:
-        for p in self.procs.values():
-            p.start()
+    def start_detokenizer(self, args: ServerArgs) -> None:
+        from runtime.server.detokenizer_process import run_detokenizer_process
+
+        self._start("detokenizer", run_detokenizer_process, args)
+
+    def _start(self, name: str, target: Callable[..., None], args: ServerArgs) -> None:
+        proc = self.ctx.Process(target=target, args=(args, self.endpoints, os.getpid()),
+                                name=f"radixserve-{name}")
+        proc.start()
+        self.procs[name] = proc
 
     def gone(self) -> str | None:
         for name, p in self.procs.items():
@@ -61,27 +76,31 @@ class Children:
                 return f"the {name} process exited (code {p.exitcode})"
         return None
 
-    def wait_ready(self, sock: zmq.Socket, timeout: float = READY_TIMEOUT) -> dict[str, dict[str, Any]]:
-        infos: dict[str, dict[str, Any]] = {}
+    def wait_ready(self, sock: zmq.Socket, name: str, timeout: float = READY_TIMEOUT) -> ProcessReady:
+        """What the started child ``name`` reports once it is ready; raises if it fails or any child dies."""
         deadline = time.time() + timeout
-        while len(infos) < len(self.procs):
+        while True:
             if time.time() > deadline:
-                raise RuntimeError(f"the server processes did not start within {timeout:.0f} s")
+                raise RuntimeError(f"the {name} process did not start within {timeout:.0f} s")
             if sock.poll(200):
                 msg: ProcessReady = decode(sock.recv())
                 if msg.error:
                     raise RuntimeError(f"the {msg.name} process failed to start: {msg.error}")
-                infos[msg.name] = msg.info
+                if msg.name == name:
+                    return msg
                 continue
             reason = self.gone()
             if reason:
                 raise RuntimeError(reason)
-        return infos
 
     def stop(self) -> None:
         for p in self.procs.values():
-            if p.is_alive():
+            if p.is_alive() and p.pid is not None:
                 p.terminate()
+                # a stopped child (SIGSTOP, a debugger) acts on SIGTERM only once continued; else it costs the
+                # whole grace period below and then a SIGKILL
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
         for p in self.procs.values():
             p.join(5)
             if p.is_alive():
@@ -89,33 +108,52 @@ class Children:
                 p.join(2)
 
 
+def import_grammar_engine() -> None:
+    """The HTTP side validates grammars with xgrammar, which loads torch: about two seconds that would stall
+    the event loop at the first request with a grammar. Run on a thread while the model loads."""
+    import xgrammar  # noqa: F401
+
+    import runtime.constrained.grammar  # noqa: F401
+
+
 def launch_server(args: ServerArgs) -> int:
     """Run the server until it is stopped; returns the process exit status."""
-    from runtime.http.app import create_app
-    from runtime.http.uvicorn_server import make_server, run_until_stopped
-    from runtime.models.loader import resolve_model_path
-    from runtime.server.tokenizer_manager import TokenizerManager
+    from runtime.models.folders import resolve_model_path
 
     configure_logging(args.log_level, "server")
     original_model = args.model
-    args = args.resolve()
-    # Resolve (and convert, with a progress bar) the model once, before any child starts.
-    args.model = str(resolve_model_path(args.model))
+    # Resolve (and convert, with a progress bar) the model once, before any child starts. The 'auto' values
+    # are the scheduler's to make concrete: it imports torch anyway, and this process then needs not.
+    args = dataclasses.replace(args, model=str(resolve_model_path(args.model)))
     endpoints, ipc_dir = Endpoints.create()
     zctx = zmq.Context()
     ready = pull(zctx, endpoints.ready)
-    children = Children(args, endpoints)
+    children = Children(endpoints)
     status = {"code": 0}
     try:
         logger.info("starting the scheduler and detokenizer processes for %s", args.model)
-        children.start()
-        infos = children.wait_ready(ready)
-        ready.close()
-        info = infos["scheduler"]
+        children.start_scheduler(args)
+        children.start_detokenizer(args)
+        threading.Thread(target=import_grammar_engine, name="import-grammar-engine", daemon=True).start()
+        # the HTTP side's imports (the tokenizer's library among them) overlap the model load
+        import transformers  # noqa: F401
+
+        from runtime.http.app import create_app
+        from runtime.http.uvicorn_server import make_server, run_until_stopped
+        from runtime.server.tokenizer_manager import TokenizerManager
+
+        started = children.wait_ready(ready, "scheduler")
+        assert started.args is not None, "the scheduler reports its resolved arguments"
+        args, info = started.args, started.info
+        to_detokenizer = push(zctx, endpoints.detokenizer)
+        to_detokenizer.send(encode(TokenizerChoice(info.get("tokenizer_class"))))
         logger.info("model ready: %s (%s, %s on %s), KV pool %d tokens, context %d", info["architecture"],
                     Path(info["model_path"]).name, info["dtype"], info["device"], info["max_total_tokens"],
                     info["context_length"])
-        tm = TokenizerManager(args, endpoints, info)
+        tm = TokenizerManager(args, endpoints, info)  # loads its tokenizer while the detokenizer loads its own
+        children.wait_ready(ready, "detokenizer")
+        to_detokenizer.close()  # not before: it lingers for no unsent message
+        ready.close()
         server: Any = None
 
         def fatal() -> None:

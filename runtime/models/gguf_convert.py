@@ -22,7 +22,6 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub, whatever imports transformers later
 
-import torch
 from tqdm.auto import tqdm
 
 from runtime.build_cache import cache_root, making
@@ -128,6 +127,7 @@ def _add_endoftext_eos(out: Path, tokenizer: Any) -> None:
 
 def _convert_into(gguf: Path, out: Path) -> None:
     """Dequantise ``gguf`` with transformers and save an fp32 safetensors folder into ``out``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to a safetensors folder (one time; later loads reuse %s)", gguf, out.parent)

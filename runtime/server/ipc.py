@@ -19,6 +19,8 @@ from typing import Any
 
 import zmq
 
+from runtime.config import ServerArgs
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,11 +61,24 @@ def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 
 @dataclass
 class ProcessReady:
-    """A child process finished starting (``info`` says what it loaded) or failed (``error``)."""
+    """A child process finished starting (``info`` says what it loaded) or failed (``error``).
+
+    The scheduler also sends ``args``, the server arguments with their 'auto' values made concrete for this
+    host: the launcher adopts them, so neither it nor the detokenizer imports torch to work them out."""
 
     name: str
     info: dict[str, Any]
     error: str | None = None
+    args: ServerArgs | None = None
+
+
+@dataclass
+class TokenizerChoice:
+    """The launcher to the detokenizer, once the scheduler has loaded the tokenizer: the class to load it
+    with (``folders.tokenizer_class_name``; None to let ``AutoTokenizer`` pick). The first message the
+    detokenizer reads."""
+
+    tokenizer_class: str | None
 
 
 def die_with_parent() -> None:

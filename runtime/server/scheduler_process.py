@@ -12,17 +12,17 @@ import logging
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from radix.radix_cache import RadixCache
 from runtime.config import ServerArgs
 from runtime.logging_setup import configure_logging
 from runtime.server.ipc import Endpoints, ProcessReady, die_with_parent, encode, push
-from runtime.server.kv_events import EventPublisher
-from runtime.server.scheduler_loop import SchedulerLoop
-from runtime.server.transports import ZmqTransport
+
+if TYPE_CHECKING:  # the launcher imports this module to name the process's target; torch stays out of it
+    from runtime.server.scheduler_loop import SchedulerLoop
+    from runtime.server.transports import ZmqTransport
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +33,17 @@ def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, parent_pid: in
     ctx = zmq.Context()
     to_tm = push(ctx, endpoints.tokenizer)
     ready = push(ctx, endpoints.ready)
+    from runtime.server.transports import ZmqTransport
+
     try:
+        args = args.resolve()  # the launcher passes them as given; it adopts this resolution (ProcessReady.args)
         loop, info = build_loop(args, ZmqTransport(ctx, endpoints, to_tm, parent_pid), ctx)
     except Exception as exc:
         logger.exception("the scheduler could not start")
         ready.send(encode(ProcessReady("scheduler", {}, error=f"{type(exc).__name__}: {exc}")))
         time.sleep(0.2)
         sys.exit(1)
-    ready.send(encode(ProcessReady("scheduler", info)))
+    ready.send(encode(ProcessReady("scheduler", info, args=args)))
     try:
         loop.run()
     except Exception:
@@ -51,10 +54,13 @@ def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, parent_pid: in
 
 def build_loop(args: ServerArgs, transport: ZmqTransport, ctx: zmq.Context) -> tuple[SchedulerLoop, dict[str, Any]]:
     """The loop over a freshly loaded model, and what the launcher is told about the model."""
+    from radix.radix_cache import RadixCache
     from runtime.executor.model_runner import ModelRunner
-    from runtime.models.loader import load_tokenizer
+    from runtime.models.folders import load_tokenizer, tokenizer_class_name
     from runtime.models.tokenizer import eos_token_ids
     from runtime.scheduler.scheduler import Scheduler
+    from runtime.server.kv_events import EventPublisher
+    from runtime.server.scheduler_loop import SchedulerLoop
 
     runner = ModelRunner(args)
     tokenizer = load_tokenizer(args.tokenizer or runner.model_path)
@@ -78,5 +84,7 @@ def build_loop(args: ServerArgs, transport: ZmqTransport, ctx: zmq.Context) -> t
         "device": info.device,
         "max_total_tokens": runner.allocator.capacity,
         "page_size": runner.allocator.page_size,
+        # the HTTP server and the detokenizer load this class directly instead of asking AutoTokenizer again
+        "tokenizer_class": tokenizer_class_name(tokenizer),
     }
     return SchedulerLoop(box["scheduler"], transport, events), ready

@@ -75,11 +75,11 @@ class ReqHandle(RequestHandle):
 
 class TokenizerManager:
     def __init__(self, args: ServerArgs, endpoints: Endpoints, model_info: dict[str, Any]):
-        from runtime.models.loader import load_tokenizer
+        from runtime.models.folders import load_tokenizer
 
         self.args = args
         self.model_info = model_info
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model, model_info.get("tokenizer_class"))
         self.chat_template = load_chat_template(args.chat_template)
         self.tool_format = make_tool_format(args.tool_call_parser, self.chat_template_text)
         self.context_length = int(model_info["context_length"])

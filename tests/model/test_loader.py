@@ -183,3 +183,45 @@ def test_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
     blocker.write_text("a file where the cache folder should be")
     with pytest.raises(ModelLoadError, match="RADIXSERVE_CACHE_DIR"):
         gguf_convert.convert_gguf(gguf, blocker)
+
+
+@pytest.mark.parametrize("which", ["default", "tiny"])
+def test_a_tokenizer_loaded_by_its_class_is_the_one_autotokenizer_builds(which: str, smol_dir: Path,
+                                                                       tiny_model_dir: Path) -> None:
+    """The server and the detokenizer load the class the scheduler's AutoTokenizer picked: every answer the
+    runtime asks of a tokenizer must come out the same."""
+    from runtime.models.folders import load_tokenizer, tokenizer_class_name
+
+    folder = smol_dir if which == "default" else tiny_model_dir
+    auto = load_tokenizer(folder)
+    name = tokenizer_class_name(auto)
+    assert name is not None and name.startswith("transformers.")
+    direct = load_tokenizer(folder, name)
+    assert type(direct) is type(auto)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hé, 2+2=? 🙂\n  tabs\t"}]
+    text = auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert direct.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    ids = auto(text).input_ids
+    assert direct(text).input_ids == ids
+    assert direct.decode(ids) == auto.decode(ids)
+    assert direct.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    assert direct.get_vocab() == auto.get_vocab() and len(direct) == len(auto)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids"):
+        assert getattr(direct, attr) == getattr(auto, attr), attr
+    assert direct.chat_template == auto.chat_template
+
+
+def test_a_tokenizer_class_that_is_not_transformers_own_is_not_named() -> None:
+    from runtime.models.folders import tokenizer_class_name
+
+    class Custom:
+        pass
+
+    assert tokenizer_class_name(Custom()) is None
+
+
+def test_a_bad_tokenizer_class_is_a_clear_error(smol_dir: Path) -> None:
+    from runtime.models.folders import load_tokenizer
+
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
+        load_tokenizer(smol_dir, "transformers:NoSuchTokenizer")

@@ -207,6 +207,18 @@ def child_bound_to(server: ServerProcess, name: str) -> int:
     return found.pop()
 
 
+def test_the_detokenizer_does_not_load_torch(tiny_server):
+    """The detokenizer needs the tokenizer, not the model code: torch would cost it a second or more of
+    start-up and a few hundred MB. (The HTTP server loads torch on purpose: xgrammar, which validates grammars
+    there, needs it.)"""
+    def loads_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    assert loads_torch(child_bound_to(tiny_server, "scheduler"))
+    assert not loads_torch(child_bound_to(tiny_server, "detokenizer"))
+
+
 class HeldRequest:
     """A /generate request the server has accepted and cannot answer: the detokenizer (every output passes
     through it) is frozen before it is sent, and it is held until the scheduler has seen it, which happens
