@@ -119,8 +119,12 @@ SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
 # bf16 with bf16 dot products (linear_bf16, CPUs with AVX512_BF16) on a CPU without AMX: oneDNN's bf16 GEMMs there
 # use the same dot products, and linear_bf16 beat them at every size measured up to 32 rows (one core of an
 # AVX-512 AMD host: 14.4 vs 37 ms for all of SmolLM2's linear layers at 4 rows, 18 vs 41 at 8, 52 vs 70 at 32).
+# Up to 256 rows it is as fast or faster (a Zen 4 host, 2 threads, a layer's four linears: 0.80x oneDNN's time at 33
+# rows, 0.84x at 64, 0.95x at 96, 1.00-1.02x at 160-256; 1.04-1.08x at 512-1024), and oneDNN compiles a kernel for
+# each new row count the first time it sees it (+1.8 ms per weight shape at ~160 rows): the questions of a
+# few-shot batch, prefilled together, come in a new row count almost every step.
 # With AMX the limit above stands (oneDNN's tile kernels; not re-measured against linear_bf16).
-BF16_DOT_SMALL_M = 32
+BF16_DOT_SMALL_M = 256
 # Activation block of linear_int8: one int8 scale per 32 k values of a row (a multiple of 16; 0 = one per row).
 # `radixserve bench quality` on SmolLM2-135M (perplexity vs fp32 / greedy tokens agreeing): one scale per row
 # +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
