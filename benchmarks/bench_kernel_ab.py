@@ -12,6 +12,7 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
   layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format);
 - a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
+- a cascade group's merge of the two parts into 8 and 160 bf16 rows (a decode batch; 7 few-shot questions), 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
   169, a few-shot prefill's rows), where the host has the instructions;
 - the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
@@ -83,6 +84,20 @@ def shared_case(k_this: ModuleType, g: torch.Generator) -> Case:
     def run(k: ModuleType) -> None:
         for (kp, vp), pack in zip(layer_pools, packs):
             k.extend_attention(q, kp, vp, index, lengths, SCALE, KV_HEADS, pack)
+
+    return run
+
+
+def merge_case(rows: int, g: torch.Generator) -> Case:
+    """A cascade group's merge of its shared part into its own parts' bf16 rows, ``rows`` rows, 30 layers."""
+    own = [torch.randn(rows, HEADS, DIM, generator=g).bfloat16() for _ in range(LAYERS)]
+    lse = torch.randn(rows, HEADS, generator=g)
+    shared = torch.randn(rows, HEADS, DIM, generator=g)
+    lse_shared = torch.randn(rows, HEADS, generator=g)
+
+    def run(k: ModuleType) -> None:
+        for out in own:
+            k.merge_attention(out, lse, shared, lse_shared)
 
     return run
 
@@ -163,6 +178,8 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         "decode attention over an int8 pool, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g, True),
         "decode attention over an int8 pool, batch 8, one layer x30 in cache": decode_case(8, 1, LAYERS, g, True),
     }
+    for rows in (8, 160):  # 160: 7 few-shot questions prefilled after their shared block
+        out[f"cascade merge, {rows} rows, 30 layers"] = merge_case(rows, g)
     if k_this.bf16_dot():
         out["shared part, 8 rows x 1,050 kept keys, 30 layers"] = shared_case(k_this, g)
         for rows in (1, 8):
