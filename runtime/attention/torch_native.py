@@ -292,6 +292,12 @@ class TorchNativeBackend(AttentionBackend):
             else:
                 out.index_copy_(0, rows, o)
                 lse_out.index_copy_(0, rows, lse)
+        if casc.own is not None and self.paged is not None:  # short own parts (questions after a few-shot block)
+            own = casc.own
+            o, lse = self.paged.run(q.index_select(0, own.rows), k_pool, v_pool, own.table, own.lengths, own.chunk)
+            out.index_copy_(0, own.rows, o)
+            lse_out.index_copy_(0, own.rows, lse)
+            return out, lse_out
         hkv, g = self.shape.num_kv_heads, self.group
         for chunk in casc.prefills:
             e = chunk.end - chunk.start

@@ -15,6 +15,10 @@ from runtime.core.forward_batch import ForwardBatch, ForwardMode
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
 # entries (a long chunk over a long prefix) memory wins and the mask is bool.
 _FLOAT_MASK_LIMIT = 1 << 24
+# A cascade group's prefill chunks whose own parts (KV past the shared prefix) are all at most this long attend
+# them in one call of the in-place kernel (``OwnChunks``) instead of one call per chunk: 7 few-shot questions
+# after their shared block spent 21 ms of a 200 ms prefill step in 210 calls, 11 ms in 30.
+OWN_CHUNKS_MAX = 64
 
 
 @dataclass
@@ -56,6 +60,17 @@ class SharedPart:
 
 
 @dataclass
+class OwnChunks:
+    """The own parts of a cascade plan's prefill chunks, as one call of the in-place kernel
+    (``PagedDecodeKernel.run``): token t, cascade row ``rows[t]``, attends ``table[chunk[t], :lengths[t]]``."""
+
+    rows: torch.Tensor  # [T] cascade rows of every chunk's tokens, chunk after chunk
+    table: torch.Tensor  # [C, W] each chunk's own KV slots (positions P ..), padded with slot 0
+    chunk: torch.Tensor  # [T] the row of ``table`` each token reads
+    lengths: torch.Tensor  # [T] own positions each token attends: its chunk's cached ones and itself
+
+
+@dataclass
 class CascadePlan:
     """All cascade groups of a batch. Their tokens ("cascade rows") are ordered group after group, so a
     group's queries and each of its prefill chunks are contiguous slices."""
@@ -66,6 +81,7 @@ class CascadePlan:
     # Each member's own part (KV positions P .. seq_len - 1). Rows/starts index the cascade rows.
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
+    own: OwnChunks | None = None  # the prefills' own parts in one call, where they are short (OWN_CHUNKS_MAX)
 
 
 @dataclass
@@ -134,7 +150,28 @@ def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[
         decode = _decode_group(batch, single, single_skip, dtype, single_rows, len(rows))
     all_rows = len(rows) == batch.num_tokens and rows == list(range(len(rows)))
     row_index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-    return CascadePlan(row_index, len(rows), shared, decode, prefills)
+    return CascadePlan(row_index, len(rows), shared, decode, prefills, _own_chunks(prefills))
+
+
+def _own_chunks(prefills: list[PrefillChunk]) -> OwnChunks | None:
+    """The chunks' own parts as one in-place call: where there are several, all short, on the CPU."""
+    if len(prefills) < 2 or prefills[0].kv_index.device.type != "cpu":
+        return None
+    width = max(c.kv_index.numel() for c in prefills)
+    if width > OWN_CHUNKS_MAX:
+        return None
+    table = torch.zeros(len(prefills), width, dtype=torch.int64)
+    rows: list[int] = []
+    chunk: list[int] = []
+    lengths: list[int] = []
+    for i, c in enumerate(prefills):
+        own, new = c.kv_index.numel(), c.end - c.start
+        table[i, :own] = c.kv_index
+        rows.extend(range(c.start, c.end))
+        chunk.extend([i] * new)
+        lengths.extend(range(own - new + 1, own + 1))
+    return OwnChunks(torch.tensor(rows, dtype=torch.int64), table, torch.tensor(chunk, dtype=torch.int64),
+                     torch.tensor(lengths, dtype=torch.int64))
 
 def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> SharedPart:
     lead = int(batch.req_pool_indices[g.members[0]])

@@ -20,7 +20,7 @@ from runtime.attention import cascade
 from runtime.attention.base import AttentionShape
 from runtime.attention.cascade import CascadePolicy, SharedPrefix, find_shared_prefixes, merge_attention_
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.attention.torch_native_plan import TorchNativeMetadata
+from runtime.attention.torch_native_plan import OWN_CHUNKS_MAX, TorchNativeMetadata
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.models.loader import attention_shape, load_config, load_model
 
@@ -257,6 +257,8 @@ def test_mixed_prefill_and_decode_groups_match(shape: AttentionShape, page_size:
             ("d0", 1), ("q5", 4)]
     on, off, ref, meta = run_both(pool, work, shape)
     assert _groups(meta) == [(30 + 1 + 1 + 9 + 5 + 4, 160), (2, 96)]
+    # the four chunks' own parts (5 to 30 positions) attended in one call of the in-place kernel
+    assert meta.cascade is not None and meta.cascade.own is not None and len(meta.cascade.own.table) == 4
     torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
     # Prefill chunks only (many short suffixes over one cached prefix), the benchmark's shape.
@@ -265,6 +267,13 @@ def test_mixed_prefill_and_decode_groups_match(shape: AttentionShape, page_size:
         pool.cached(f"u{i}", 128, "root", 128)
     on, off, ref, meta = run_both(pool, [(f"u{i}", 5 + i) for i in range(6)], shape)
     assert _groups(meta) == [(sum(5 + i for i in range(6)), 128)]
+    assert meta.cascade is not None and meta.cascade.own is not None
+    torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
+    # own parts longer than OWN_CHUNKS_MAX: one call per chunk, the same answer
+    for i in range(2):
+        pool.cached(f"w{i}", 128, "root", 128)
+    on, off, ref, meta = run_both(pool, [("w0", OWN_CHUNKS_MAX + 1), ("w1", 3)], shape)
+    assert meta.cascade is not None and meta.cascade.own is None
     torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
 
 
