@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -110,7 +109,9 @@ class Children:
 
 def import_grammar_engine() -> None:
     """The HTTP side validates grammars with xgrammar, which loads torch: about two seconds that would stall
-    the event loop at the first request with a grammar. Run on a thread while the model loads."""
+    the event loop at the first request with a grammar. Run while the model loads, on this process's main
+    thread: it has nothing else to do then, and a second importing thread races CPython 3.11's AST compiler
+    (which anyio's lazy importer calls), failing the start at random."""
     import xgrammar  # noqa: F401
 
     import runtime.constrained.grammar  # noqa: F401
@@ -134,13 +135,14 @@ def launch_server(args: ServerArgs) -> int:
         logger.info("starting the scheduler and detokenizer processes for %s", args.model)
         children.start_scheduler(args)
         children.start_detokenizer(args)
-        threading.Thread(target=import_grammar_engine, name="import-grammar-engine", daemon=True).start()
-        # the HTTP side's imports (the tokenizer's library among them) overlap the model load
+        # the HTTP side's imports (the tokenizer's library and the grammar engine among them) overlap the model load
         import transformers  # noqa: F401
 
         from runtime.http.app import create_app
         from runtime.http.uvicorn_server import make_server, run_until_stopped
         from runtime.server.tokenizer_manager import TokenizerManager
+
+        import_grammar_engine()
 
         started = children.wait_ready(ready, "scheduler")
         assert started.args is not None, "the scheduler reports its resolved arguments"
