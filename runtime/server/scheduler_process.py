@@ -33,9 +33,9 @@ def run_scheduler_process(args: ServerArgs, endpoints: Endpoints, parent_pid: in
     ctx = zmq.Context()
     to_tm = push(ctx, endpoints.tokenizer)
     ready = push(ctx, endpoints.ready)
-    from runtime.server.transports import ZmqTransport
-
     try:
+        from runtime.server.transports import ZmqTransport
+
         args = args.resolve()  # the launcher passes them as given; it adopts this resolution (ProcessReady.args)
         loop, info = build_loop(args, ZmqTransport(ctx, endpoints, to_tm, parent_pid), ctx)
     except Exception as exc:
