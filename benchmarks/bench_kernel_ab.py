@@ -11,7 +11,9 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
   layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format);
-- a cascade group's shared part: 8 decode rows against a kept 1,050-key pack, 30 layers;
+- a cascade group's shared part: 1, 4, 8 and 16 decode rows against a kept 1,050-key pack, 30 layers;
+- prefill chunks through the same kernel (packed per call): a ~20-token question after a 1,050-token block, 170
+  tokens after it, a cold 1,024-token chunk;
 - a cascade group's merge of the two parts into 8 and 160 bf16 rows (a decode batch; 7 few-shot questions), 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
   169, a few-shot prefill's rows), where the host has the instructions;
@@ -73,17 +75,34 @@ def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, int8:
     return run
 
 
-def shared_case(k_this: ModuleType, g: torch.Generator) -> Case:
+def shared_case(k_this: ModuleType, g: torch.Generator, rows: int = 8) -> Case:
+    """A cascade group's ``rows`` decode rows against its kept 1,050-key pack, 30 layers."""
     prefix, slots = 1050, 4096
     layer_pools = [pools(slots, g) for _ in range(LAYERS)]
     index = torch.randperm(slots, generator=g)[:prefix].sort().values
     packs = [k_this.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools]
-    q = torch.randn(8, HEADS, DIM, generator=g).bfloat16()
-    lengths = torch.full((8,), prefix, dtype=torch.int64)
+    q = torch.randn(rows, HEADS, DIM, generator=g).bfloat16()
+    lengths = torch.full((rows,), prefix, dtype=torch.int64)
 
     def run(k: ModuleType) -> None:
         for (kp, vp), pack in zip(layer_pools, packs):
             k.extend_attention(q, kp, vp, index, lengths, SCALE, KV_HEADS, pack)
+
+    return run
+
+
+def chunk_case(tokens: int, prefix: int, g: torch.Generator) -> Case:
+    """A prefill chunk of ``tokens`` new tokens over ``prefix`` cached ones (token i sees prefix + i + 1 slots),
+    packed in the call as a chunk is, 30 layers' pools."""
+    slots = 4096
+    layer_pools = [pools(slots, g) for _ in range(LAYERS)]
+    index = torch.randperm(slots, generator=g)[: prefix + tokens].sort().values
+    q = torch.randn(tokens, HEADS, DIM, generator=g).bfloat16()
+    lengths = torch.arange(prefix + 1, prefix + tokens + 1)
+
+    def run(k: ModuleType) -> None:
+        for kp, vp in layer_pools:
+            k.extend_attention(q, kp, vp, index, lengths, SCALE, KV_HEADS)
 
     return run
 
@@ -181,7 +200,10 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
     for rows in (8, 160):  # 160: 7 few-shot questions prefilled after their shared block
         out[f"cascade merge, {rows} rows, 30 layers"] = merge_case(rows, g)
     if k_this.bf16_dot():
-        out["shared part, 8 rows x 1,050 kept keys, 30 layers"] = shared_case(k_this, g)
+        for rows in (1, 4, 8, 16):
+            out[f"shared part, {rows} row(s) x 1,050 kept keys, 30 layers"] = shared_case(k_this, g, rows)
+        for tokens, prefix in ((20, 1050), (170, 1050), (1024, 0)):  # a question alone, 7 of them, a cold chunk
+            out[f"prefill chunk, {tokens} tokens over {prefix} cached, 30 layers"] = chunk_case(tokens, prefix, g)
         for rows in (1, 8):
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
     if k_this.int8_vnni():
