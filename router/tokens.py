@@ -1,7 +1,7 @@
 """The router's tokenizer: the same token ids the worker will compute, for exact mode and token trees.
 
 Exact mode compares a request's ids with each worker's real cache, so the ids must be the worker's:
-plain prompts go through ``tokenizer(text).input_ids`` (special tokens added as the worker adds them) and
+plain prompts go through ``runtime.models.tokenizer.tokenize`` (special tokens added as the worker adds them) and
 chat messages through ``runtime.models.tokenizer.apply_chat_template`` with the worker's template. The
 tokenizer is loaded from a local folder: by default the ``tokenizer_path`` a worker reports in
 ``/get_model_info`` (true when the router runs on the workers' machine, as with ``serve --dp``); for
@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from router.request_view import RequestView
+from runtime.models.tokenizer import tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class RequestTokenizer:
             if view.input_ids is not None:
                 view.tokens = list(view.input_ids)
             elif view.text is not None:
-                view.tokens = list(self.tokenizer(view.text).input_ids)
+                view.tokens = tokenize(self.tokenizer, view.text)
             elif view.messages is not None:
                 view.tokens = self._chat_ids(view)
         except Exception as exc:  # a bad request: the worker will say what is wrong
@@ -68,7 +69,7 @@ class RequestTokenizer:
         """Ids of the prompt followed by the answer, roughly what the worker caches after the request."""
         try:
             if view.text is not None:
-                return list(self.tokenizer(view.text + completion).input_ids)
+                return tokenize(self.tokenizer, view.text + completion)
             if view.messages is not None:
                 return self._chat_ids(view, completion)
         except Exception:
