@@ -29,7 +29,10 @@ namespace {
 using namespace fastcpu;
 
 constexpr int64_t kKeys = 16;  // keys per score tile: one vector of fp32 scores
-constexpr int kRows = 8;  // query rows per block of the score pass (8 accumulators, one K vector)
+// Query rows per block of the score pass: 8 (x 3 key tiles = 24 accumulators), or 12 (x 2 tiles) where that splits
+// the blocks more evenly between the threads (see block_rows). A row's result does not depend on its block.
+constexpr int kRows = 8;
+constexpr int kWideRows = 12;
 constexpr int kPvRows = 4;  // query rows per pass of the value sum (4 rows x D/16 accumulators)
 constexpr int64_t kMaxDim = 128;
 
@@ -120,14 +123,14 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const
     TORCH_CHECK(slots[j * kv_index.stride(0)] >= 0 && slots[j * kv_index.stride(0)] < rows, "slot out of range");
 }
 
-// Scores of kRows query rows (bf16 pairs, [kRows][D/2] words) against NT key tiles from `tile`: sc[r][j], scaled.
+// Scores of R query rows (bf16 pairs, [R][D/2] words) against NT key tiles from `tile`: sc[r][j], scaled.
 // Each broadcast query word feeds NT dot products (one per tile), so NT = 3 takes a third of the broadcasts per
-// product that one tile at a time did (24 accumulators, 3 key vectors and a broadcast in the 32 registers).
-template <int NT>
+// product that one tile at a time did (R x NT = 24 accumulators, NT key vectors and a broadcast in the 32 registers).
+template <int R, int NT>
 inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float scale, float* sc,
                         int64_t ldsc, bool kept, FetchCursor& fetch) {
-  __m512 acc[kRows][NT];
-  for (int r = 0; r < kRows; ++r)
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint16_t* kt = kp + tile * pairs * kKeys * 2;
   // A kept pack (pack_prefix's, over decode steps) comes from memory: ask for the next NT tiles (the next call's),
@@ -139,23 +142,36 @@ inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, i
     fetch.tick();
     __m512bh kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(kt + (t * pairs + i) * kKeys * 2);
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], kv[t], qb);
     }
   }
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t)
       _mm512_storeu_ps(sc + r * ldsc + (tile + t) * kKeys, _mm512_mul_ps(acc[r][t], _mm512_set1_ps(scale)));
 }
 
-// Scores of kRows query rows against key tiles [0, tiles). A score's sum over the dims runs in the same order
-// whichever pass computes it.
+// Scores of R query rows against key tiles [0, tiles). A score's sum over the dims runs in the same order
+// whichever pass computes it, so the bits do not depend on R or NT.
+template <int R>
 void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float scale, float* sc,
                 int64_t ldsc, bool kept, FetchCursor& fetch) {
+  constexpr int NT = 24 / R;
   int64_t tile = 0;
-  for (; tile + 3 <= tiles; tile += 3) score_tiles<3>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
-  for (; tile < tiles; ++tile) score_tiles<1>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
+  for (; tile + NT <= tiles; tile += NT) score_tiles<R, NT>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
+  for (; tile < tiles; ++tile) score_tiles<R, 1>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
+}
+
+// Rows per block for `rows` rows per KV head over `hkv` heads on `threads` threads: 12 where that leaves the busiest
+// thread fewer rows than blocks of 8 do (a batch-8 decode group under a shared prefix: 24 rows x 3 KV heads made 9
+// blocks of 8, 5 and 4 on two threads; 6 blocks of 12 split 3 and 3), else 8. Only the work split changes.
+int64_t block_rows(int64_t rows, int64_t hkv, int64_t threads) {
+  const auto busiest = [&](int64_t r) {
+    const int64_t blocks = (rows + r - 1) / r;
+    return (hkv * blocks + threads - 1) / threads * std::min(r, rows);
+  };
+  return busiest(kWideRows) < busiest(kRows) ? kWideRows : kRows;
 }
 
 // Row r's softmax over its first len keys, in place; writes its probabilities as bf16 pairs (zero from len on,
@@ -271,7 +287,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   for (int64_t t = 0; t < t_count; ++t) TORCH_CHECK(lens[t] >= 1 && lens[t] <= s, "lengths must be in 1..S");
   // keys padded to a multiple of 32: the probabilities become bf16 pairs 32 keys at a time
   const int64_t padded = (s + 31) / 32 * 32;
-  const int64_t rows = t_count * group, blocks = (rows + kRows - 1) / kRows;
+  const int64_t rows = t_count * group;
+  const int64_t brows = block_rows(rows, hkv, at::get_num_threads()), blocks = (rows + brows - 1) / brows;
   auto opts = q.options().dtype(torch::kFloat32);
   torch::Tensor out = torch::empty({t_count, h, d}, opts);
   torch::Tensor lse = torch::empty({t_count, h}, opts);
@@ -300,19 +317,19 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   float* lp = lse.data_ptr<float>();
   // a block's cost: its rows times the most keys one of its tokens sees (the three passes run that far)
   const auto block_cost = [&](int64_t item) {
-    const int64_t r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
+    const int64_t r0 = (item % blocks) * brows, nrows = std::min<int64_t>(brows, rows - r0);
     int64_t keys = 0;
     for (int64_t r = r0; r < r0 + nrows; ++r) keys = std::max(keys, lens[r / group]);
     return nrows * keys;
   };
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
     FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
-    std::vector<uint32_t> qp(kRows * pairs);
-    std::vector<float> sc(kRows * padded);
-    std::vector<uint32_t> pp(kRows * padded / 2);
-    std::vector<float> acc(kRows * d);
+    std::vector<uint32_t> qp(brows * pairs);
+    std::vector<float> sc(brows * padded);
+    std::vector<uint32_t> pp(brows * padded / 2);
+    std::vector<float> acc(brows * d);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item / blocks, r0 = (item % blocks) * kRows, nrows = std::min<int64_t>(kRows, rows - r0);
+      const int64_t kvh = item / blocks, r0 = (item % blocks) * brows, nrows = std::min<int64_t>(brows, rows - r0);
       const uint16_t* kp = kpack + kvh * padded * d;
       const uint16_t* vp = vpack + kvh * padded * d;
       int64_t max_len = 0;
@@ -325,9 +342,13 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
       const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
-      score_rows(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded, packed.has_value(),
-                 ahead);
-      float mx[kRows], total[kRows];
+      if (brows == kWideRows)
+        score_rows<kWideRows>(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded,
+                              packed.has_value(), ahead);
+      else
+        score_rows<kRows>(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded,
+                          packed.has_value(), ahead);
+      float mx[kWideRows], total[kWideRows];
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group;
         std::tie(mx[r], total[r]) = softmax_row(sc.data() + r * padded, lens[t], used_even,

@@ -108,6 +108,32 @@ def test_extend_attention_with_a_kept_pack_equals_packing_afresh():
         KERNELS.pack_prefix(k_pool, v_pool, torch.tensor([1, 2, 600]), hkv, d)
 
 
+@requires_bf16_dot
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 11])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tokens: int, threads: int) -> None:
+    """The kernel blocks a KV head's rows by 8 or 12 depending on the row and thread counts (the work split only):
+    each token's attention, alone or among others, over a kept pack or packed in the call, is the same to the bit."""
+    g = torch.Generator().manual_seed(tokens)
+    hkv, d, prefix = 3, 64, 1050
+    k_pool = torch.randn(1400, hkv * d, generator=g).bfloat16()
+    v_pool = torch.randn(1400, hkv * d, generator=g).bfloat16()
+    index = torch.randperm(1400, generator=g)[:prefix]
+    q = torch.randn(tokens, 9, d, generator=g).bfloat16()
+    lengths = torch.full((tokens,), prefix)
+    packed = KERNELS.pack_prefix(k_pool, v_pool, index, hkv, d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for pack in (None, packed):
+            out, lse = KERNELS.extend_attention(q, k_pool, v_pool, index, lengths, d**-0.5, hkv, pack)
+            for t in range(tokens):
+                alone = KERNELS.extend_attention(q[t : t + 1], k_pool, v_pool, index, lengths[:1], d**-0.5, hkv, pack)
+                assert torch.equal(out[t], alone[0][0]) and torch.equal(lse[t], alone[1][0]), (t, pack is None)
+    finally:
+        torch.set_num_threads(before)
+
+
 def group_batch(kv: KVStorage, prefix: torch.Tensor, own: list[int], history: PagedAllocator | None) -> ForwardBatch:
     """Decode rows of ``len(own)`` requests over one cached prefix (the slots ``prefix``), request i with
     ``own[i]`` tokens of its own after it (the last one new), in slots after the prefix's largest."""
