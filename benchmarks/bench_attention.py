@@ -37,8 +37,9 @@ from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.cascade import CascadePolicy
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
+from runtime.models.folders import resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
-from runtime.models.loader import attention_shape, load_config, load_model, resolve_model_path
+from runtime.models.loader import attention_shape, load_config, load_model
 
 
 class Pool:

@@ -39,7 +39,7 @@ from runtime.bench.floor import stream_bandwidth, weight_bytes, weight_floor
 from runtime.bench.quality import FORMATS
 from runtime.config import cpu_has_native_bf16
 from runtime.engine import Engine
-from runtime.models.loader import resolve_model_path
+from runtime.models.folders import resolve_model_path
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from runtime.bench.workloads import fewshot
 from runtime.engine import Engine
-from runtime.models.loader import resolve_model_path
+from runtime.models.folders import resolve_model_path
 
 EOS = (0, 2)
 

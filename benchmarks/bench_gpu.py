@@ -233,8 +233,7 @@ def engine_decode(model: str, bs: int, ctx: int, new: int) -> dict[str, float]:
 def hf_decode(torch: Any, model: str, bs: int, ctx: int, new: int) -> float:
     from transformers import AutoModelForCausalLM
 
-    from runtime.models.folders import is_random_model
-    from runtime.models.loader import resolve_model_path
+    from runtime.models.folders import is_random_model, resolve_model_path
     from runtime.models.random_model import random_model_config
 
     if is_random_model(model):

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from runtime.constrained.grammar import GrammarBackend
 from runtime.engine import Engine
-from runtime.models.loader import load_tokenizer, resolve_model_path
+from runtime.models.folders import load_tokenizer, resolve_model_path
 
 SCHEMA = {
     "type": "object",

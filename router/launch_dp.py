@@ -154,7 +154,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
     from router.app import serve_router
     from runtime.launch import served_name
     from runtime.logging_setup import configure_logging
-    from runtime.models.loader import resolve_model_path
+    from runtime.models.folders import resolve_model_path
 
     configure_logging(server_args.log_level, "dp")
     if dp < 1:

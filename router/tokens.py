@@ -35,7 +35,7 @@ class RequestTokenizer:
 
     @classmethod
     def load(cls, path: str, chat_template: str | None = None) -> RequestTokenizer:
-        from runtime.models.loader import load_tokenizer
+        from runtime.models.folders import load_tokenizer
 
         return cls(load_tokenizer(path), chat_template)
 

@@ -34,7 +34,7 @@ from runtime.core.messages import (
     ServerInfoQuery,
 )
 from runtime.executor.model_runner import ModelRunner
-from runtime.models.loader import load_tokenizer
+from runtime.models.folders import load_tokenizer
 from runtime.models.tokenizer import eos_token_ids
 from runtime.request.front import RequestFront, rejection, thread_timer
 from runtime.request.intake import SingleRequest, from_native

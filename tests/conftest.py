@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
-    from runtime.models.loader import resolve_model_path
+    from runtime.models.folders import resolve_model_path
 
     return resolve_model_path("default")
 

@@ -114,7 +114,7 @@ class Comparison:
     @property
     def tokenizer(self) -> PromptTokenizer:
         if self._tokenizer is None:
-            from runtime.models.loader import resolve_model_path
+            from runtime.models.folders import resolve_model_path
 
             self._tokenizer = PromptTokenizer.load(resolve_model_path(self.opts.model))
         return self._tokenizer
@@ -151,7 +151,7 @@ class Comparison:
 
     def _run_transformers(self) -> None:
         from runtime.bench.baseline import NaiveTransformers
-        from runtime.models.loader import resolve_model_path
+        from runtime.models.folders import resolve_model_path
 
         hf = NaiveTransformers(resolve_model_path(self.opts.model), threads=self.threads)
         self.summary["systems"]["transformers"] = {

@@ -109,7 +109,7 @@ class PromptTokenizer:
     @classmethod
     def load(cls, path: str | Path | None = None) -> PromptTokenizer:
         """The tokenizer of a local model folder; default: the converted default model's."""
-        from runtime.models.loader import load_tokenizer, resolve_model_path
+        from runtime.models.folders import load_tokenizer, resolve_model_path
 
         return cls(load_tokenizer(path if path is not None else resolve_model_path("default")))
 

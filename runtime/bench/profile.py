@@ -116,7 +116,7 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
     from runtime.bench.floor import stream_bandwidth, weight_bytes, weight_floor
     from runtime.bench.workloads import make_workload
     from runtime.executor.model_runner import ModelRunner
-    from runtime.models.loader import load_tokenizer
+    from runtime.models.folders import load_tokenizer
     from runtime.models.tokenizer import eos_token_ids, tokenize
     from runtime.request.intake import SingleRequest, from_native, prepare
     from runtime.scheduler.scheduler import Scheduler

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.bench.workloads import make
+from runtime.models.tokenizer import tokenize
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
@@ -66,7 +67,7 @@ def quality_prompts(tokenizer: Any, count: int) -> list[str]:
 
 
 def perplexity(engine: Any, text: str) -> float:
-    ids = engine.tokenizer(text).input_ids
+    ids = tokenize(engine.tokenizer, text)
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
                           logprob_start_len=0)
     lps = [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"] if lp is not None]

@@ -17,9 +17,9 @@ from runtime.attention import make_attention_backend
 from runtime.attention.base import AttentionBackend
 from runtime.config import ServerArgs
 from runtime.models.decode_stack import DecodeStack
-from runtime.models.folders import is_random_model
+from runtime.models.folders import is_random_model, resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
-from runtime.models.loader import load_config, load_model, resolve_model_path
+from runtime.models.loader import load_config, load_model
 from runtime.models.ops import cpu_weight_format, make_ops
 from runtime.models.random_model import build_random_model, random_model_config
 from runtime.models.registry import get_model_class

@@ -1,6 +1,6 @@
 """Read a model folder's config with transformers and load its safetensors into our code.
 
-The folder comes from ``folders.resolve_model_path``, which also loads tokenizers. Every failure is a
+The folder comes from ``folders.resolve_model_path`` (``folders`` also loads tokenizers). Every failure is a
 :class:`ModelLoadError` whose message names the path.
 """
 
@@ -19,7 +19,6 @@ from safetensors import safe_open
 from runtime.attention import make_attention_backend
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.models.errors import ModelLoadError
-from runtime.models.folders import DEFAULT_MODEL_ALIASES, is_random_model, load_tokenizer, resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.ops import ModelOps
 from runtime.models.registry import get_model_class
@@ -30,15 +29,11 @@ logger = logging.getLogger(__name__)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 __all__ = [
-    "DEFAULT_MODEL_ALIASES",
     "ModelLoadError",
     "attention_shape",
-    "is_random_model",
     "kv_layout",
     "load_config",
     "load_model",
-    "load_tokenizer",
-    "resolve_model_path",
     "safetensors_files",
 ]
 

@@ -47,7 +47,7 @@ SURE = ["yes", "no", "not really"]
 
 def test_completion_mode_matches_the_native_api(completion_backend, endpoint, tiny_model_dir) -> None:
     """The same answer and choice as the native API, or a divergence at a float near-tie (tests/oracle.py)."""
-    from runtime.models.loader import load_tokenizer
+    from runtime.models.folders import load_tokenizer
 
     assert completion_backend.get_chat_template() == endpoint.get_chat_template()  # fetched from the server
     a = qa.run("Why is the sky blue?", backend=completion_backend, temperature=0)

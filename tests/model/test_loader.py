@@ -15,8 +15,9 @@ from model_helpers import PoolDriver, hf_logits, tiny_config
 from runtime.attention import make_attention_backend
 from runtime.models import gguf_convert
 from runtime.models.errors import ModelLoadError
+from runtime.models.folders import resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
-from runtime.models.loader import load_config, load_model, resolve_model_path
+from runtime.models.loader import load_config, load_model
 
 
 def _copy_checkpoint(hf_checkpoints, tmp_path: Path, arch: str = "llama") -> Path:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from model_helpers import PoolDriver
 
+from runtime.models.folders import load_tokenizer, resolve_model_path
 from runtime.models.gguf_convert import default_gguf_path
-from runtime.models.loader import load_model, load_tokenizer, resolve_model_path
+from runtime.models.loader import load_model
 from tests.oracle import Greedy, assert_greedy_agrees
 
 pytestmark = pytest.mark.slow

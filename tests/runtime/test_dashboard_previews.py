@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.http.dashboard import PreviewTexts
-from runtime.models.loader import load_tokenizer
+from runtime.models.folders import load_tokenizer
 
 
 def _tree(tok: Any) -> dict[str, Any]:

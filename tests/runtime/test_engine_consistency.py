@@ -15,7 +15,7 @@ from runtime.core.errors import IntakeError
 from runtime.core.messages import TokenizedRequest
 from runtime.core.sampling_params import SamplingParams
 from runtime.executor.model_runner import ModelRunner
-from runtime.models.loader import load_tokenizer
+from runtime.models.folders import load_tokenizer
 from runtime.models.tokenizer import eos_token_ids
 from runtime.scheduler.scheduler import Scheduler
 from tests.oracle import WITH_TOP2, assert_all_agree

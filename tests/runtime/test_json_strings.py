@@ -39,7 +39,7 @@ def test_xgrammar_compiles_a_string_longer_than_its_repetition_limit(tiny_model_
     import xgrammar as xgr
 
     from runtime.constrained.grammar import GrammarBackend
-    from runtime.models.loader import load_tokenizer
+    from runtime.models.folders import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
     backend = GrammarBackend(tok, len(tok), [tok.eos_token_id or 0])

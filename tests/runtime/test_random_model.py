@@ -8,7 +8,8 @@ import torch
 
 from runtime.attention import make_attention_backend
 from runtime.models.errors import ModelLoadError
-from runtime.models.loader import attention_shape, is_random_model, load_tokenizer, resolve_model_path
+from runtime.models.folders import is_random_model, load_tokenizer, resolve_model_path
+from runtime.models.loader import attention_shape
 from runtime.models.random_model import (
     RANDOM_MODEL_SHAPES,
     build_random_model,

@@ -259,7 +259,7 @@ def test_stop_regex_tail_bounds():
 def test_streamed_text_never_passes_a_stop_regex(smol_dir, pattern):
     """Feed a known output token by token: every text the stream releases stops before the match, and the
     final text is cut at it (or kept through it with no_stop_trim)."""
-    from runtime.models.loader import load_tokenizer
+    from runtime.models.folders import load_tokenizer
 
     tok = load_tokenizer(smol_dir)
     full = " Paris.\n\nThe answer is: 2018-01-22 12:12:53."
