@@ -62,7 +62,7 @@ class PagedAllocator:
         A slot's KV is rewritten only after its page was freed and handed out again, and the counts only grow,
         so two equal answers for the same slots mean their KV did not change in between: what lets a kernel
         keep work derived from a cached prefix's KV across steps while other requests come and go."""
-        return int(self._free_counts[slots.to(torch.int64) // self.page_size].sum())
+        return int(self._free_counts[self._pages_of(slots)].sum())
 
     def reset(self) -> None:
         """Everything free again (pages handed out before are forgotten, so only call it when idle)."""
@@ -136,7 +136,7 @@ class PagedAllocator:
         """
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots.to(torch.int64) // self.page_size)
+        pages = torch.unique(self._pages_of(slots))
         if int(pages[0]) < 1 or int(pages[-1]) > self.num_pages:
             raise UnownedSlotError(
                 f"slots {slots.min().item()}..{slots.max().item()} are outside the pool "
@@ -157,7 +157,12 @@ class PagedAllocator:
         return set(self._free_pages)
 
     def is_free(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._is_free[slots.to(torch.int64) // self.page_size]
+        return self._is_free[self._pages_of(slots)]
+
+    def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The pages under ``slots``, on the CPU where the bookkeeping lives: on a GPU the slots usually come
+        from the request-to-token table or the radix tree, both on the device."""
+        return slots.to(device="cpu", dtype=torch.int64) // self.page_size
 
 
 class ReqToTokenPool:
