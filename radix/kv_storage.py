@@ -132,6 +132,12 @@ class KVStorage:
     def nbytes(self) -> int:
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
+    def release(self) -> None:
+        """Free the pool's memory (its runner has stopped): it holds no slot afterwards."""
+        self.k_buffer = self.k_buffer.new_empty((self.shape.num_layers, 0, *self.k_buffer.shape[2:]))
+        self.v_buffer = self.v_buffer.new_empty((self.shape.num_layers, 0, *self.v_buffer.shape[2:]))
+        self.total_slots = 0
+
     @property
     def device(self) -> torch.device:
         return self.k_buffer.device

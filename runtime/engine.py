@@ -16,6 +16,7 @@ waiting queue is at ``max_queued_requests``, ``RequestTimeout`` for a request pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -173,6 +174,10 @@ class Engine:
             self._transport.close()
             self._thread.join(timeout=30)
             self.runner.close()  # tensor-parallel ranks stop now, not when the runner is collected
+            if not self._thread.is_alive():  # a scheduler thread stuck in a step may still read the pool
+                with contextlib.suppress(Exception):  # a failed scheduler's error already reached its callers
+                    self.scheduler.close()  # the forward worker ends its step in flight before the pool goes
+                self.runner.release_memory()
 
     def __enter__(self) -> Engine:
         return self

@@ -79,6 +79,12 @@ class DraftModel:
         logger.info("draft model %s: %d layers, KV for every one of the %d slots (%.0f MiB)", self.name,
                     self.kv_shape.num_layers, total_slots, self.kv.nbytes / 2**20)
 
+    def release(self) -> None:
+        """Free the draft's KV storage and weights (the runner that holds it has stopped)."""
+        if self.kv is not None:
+            self.kv.release()
+        self.model.to("meta")
+
     @torch.inference_mode()
     def mirror(self, batch: ForwardBatch) -> None:
         """Run a batch the served model just ran over the draft KV storage: the draft model's KV of the same

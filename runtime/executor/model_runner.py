@@ -122,6 +122,20 @@ class ModelRunner:
         if self.ranks is not None and self.tp is not None:
             _stop_ranks(self.ranks, self.tp.comm, self.device, self._tp_lock)
 
+    def release_memory(self) -> None:
+        """Give back the KV pool, the CUDA graphs and the weights now; the runner runs nothing afterwards.
+
+        An in-process Engine calls it once its scheduler has stopped. Without it they would go only when the
+        collector breaks the reference cycles between the Engine's parts, and an Engine started meanwhile in the
+        same process would size its pool from the memory still held (on a GPU: 85% of what the last one left)."""
+        self.graph_runner = None
+        self.kv.release()
+        self.model.to("meta")
+        if self.draft is not None:
+            self.draft.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ memory
     def _init_memory(self, reserve_bytes: int = 0) -> None:
         """Allocator, request table and KV pool; ``reserve_bytes`` (CUDA graphs) is kept out of the budget."""

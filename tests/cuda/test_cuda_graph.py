@@ -136,3 +136,14 @@ def test_kv_pool_sized_after_weights_and_graphs():
         # the pool took ~85% of what was free after weights minus the graph reserve; the graphs fit in the rest
         assert runner.kv.nbytes > 0.5 * total
         assert free > runner.graph_runner.memory_bytes
+
+
+def test_the_next_engine_gets_the_memory_a_stopped_one_gave_back():
+    """``e`` still holds the first Engine while the second sizes its pool from the free memory."""
+    sized = dict(model="random:smollm2-135m", cuda_graph_max_bs=8, max_total_tokens=None)  # from free memory
+    with engine(**sized) as e:
+        first = e.runner.allocator.capacity
+        e.generate(input_ids=[list(range(10, 50))], sampling_params={"max_new_tokens": 4})
+    with engine(**sized) as e:
+        second = e.runner.allocator.capacity
+    assert second > 0.9 * first, (first, second)

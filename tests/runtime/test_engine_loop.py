@@ -197,3 +197,17 @@ def test_the_same_loop_runs_over_zmq(tiny_model_dir):
     finally:
         ctx.destroy(linger=0)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_stopped_engine_gives_its_pool_and_weights_back(tiny_model_dir):
+    """While the caller still holds the Engine (``with Engine(...) as e`` keeps ``e``), the next Engine in the
+    process sizes its pool from the memory left: the stopped one must hold none of it."""
+    engine = Engine(model=str(tiny_model_dir), max_total_tokens=2048, dtype="float32", log_level="critical")
+    with engine:
+        assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
+        runner = engine.runner
+        assert runner.kv.nbytes > 0
+    assert runner.kv.nbytes == 0 and runner.kv.total_slots == 0
+    assert {p.device.type for p in runner.model.parameters()} == {"meta"}
+    assert runner.graph_runner is None
+    engine.shutdown()  # a second shutdown is a no-op
