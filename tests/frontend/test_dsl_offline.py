@@ -155,10 +155,9 @@ def test_fork_prefills_runs_branches_concurrently_and_gathers() -> None:
             f += sgl.gen("x")
         forks.join()
 
-    start = time.perf_counter()
     state = prog.run(backend=be)
     assert state["x"] == ["0", "1", "2"]
-    assert time.perf_counter() - start < 0.5, "the three branches did not run concurrently"
+    # all three branches were in the backend at once (a wall-clock bound would say so only on an idle host)
     assert be.prefixes == ["shared prefix "] and be.max_in_flight == 3
     assert state.text() == "shared prefix "  # gather_variable leaves the parent's text alone
 

@@ -1,7 +1,6 @@
 """RadixCache.snapshot: the dashboard's read-only, aggregated copy of the tree."""
 
 import random
-import time
 
 import pytest
 
@@ -142,16 +141,17 @@ def test_snapshot_does_not_change_the_tree():
     cache.check_integrity()
 
 
-def test_large_tree_is_cheap():
-    """20k nodes: the dashboard's once-a-second poll must stay a few milliseconds between two steps."""
+def test_large_tree_is_shown_within_its_node_budget():
+    """10k+ nodes: the dashboard gets at most ``max_nodes`` of them, with totals that still count the whole tree.
+    (What a poll costs the server is measured by benchmarks/bench_dashboard.py, not asserted here.)"""
     cache, _ = make(cap=200_000)
     rng = random.Random(1)
     for _ in range(10_000):
         cache_seq(cache, [rng.randrange(30), rng.randrange(30), rng.randrange(1000)] + [7] * 5)
-    assert cache.stats().num_nodes > 10_000
-    t = time.perf_counter()
+    stats = cache.stats()
+    assert stats.num_nodes > 10_000
     snap = cache.snapshot(max_nodes=500)
-    took = time.perf_counter() - t
     assert len(snap.nodes) <= 500
     check_sums(snap)
-    assert took < 0.5, f"snapshot of {snap.total_nodes} nodes took {took:.3f} s"
+    assert snap.total_nodes == stats.num_nodes
+    assert snap.total_tokens == stats.cached_tokens
