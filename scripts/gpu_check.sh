@@ -35,17 +35,17 @@ run_phase() {  # name, command...: runs it under the time limit, keeps its outpu
 python3 -c "import torch; assert torch.cuda.is_available(), 'CUDA is not available'; print(torch.__version__, \
 torch.version.cuda, torch.cuda.get_device_name())" || exit 1
 
-for phase in "${@:-kernels engine bench}"; do
-    for p in $phase; do
-        case $p in
-            kernels) run_phase kernels python3 -m pytest -q -rs -p no:cacheprovider tests/cuda/test_flashinfer.py \
-                         -k "not smollm2" ;;
-            engine) run_phase engine python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/cuda tests/model ;;
-            # shellcheck disable=SC2086  # the arguments are meant to split
-            bench) run_phase bench python3 benchmarks/bench_gpu.py $bench_args --out "$dir/bench_gpu.json" ;;
-            *) echo "unknown phase $p (kernels, engine, bench)"; exit 2 ;;
-        esac
-    done
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(kernels engine bench)
+for p in "${phases[@]}"; do
+    case $p in
+        kernels) run_phase kernels python3 -m pytest -q -rs -p no:cacheprovider tests/cuda/test_flashinfer.py \
+                     -k "not smollm2" ;;
+        engine) run_phase engine python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/cuda tests/model ;;
+        # shellcheck disable=SC2086  # the arguments are meant to split
+        bench) run_phase bench python3 benchmarks/bench_gpu.py $bench_args --out "$dir/bench_gpu.json" ;;
+        *) echo "unknown phase $p (kernels, engine, bench)"; exit 2 ;;
+    esac
 done
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed: ${failed[*]}"

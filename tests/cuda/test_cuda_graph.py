@@ -144,6 +144,7 @@ def test_the_next_engine_gets_the_memory_a_stopped_one_gave_back():
     with engine(**sized) as e:
         first = e.runner.allocator.capacity
         e.generate(input_ids=[list(range(10, 50))], sampling_params={"max_new_tokens": 4})
+        assert_clean(e)
     with engine(**sized) as e:
         second = e.runner.allocator.capacity
     assert second > 0.9 * first, (first, second)

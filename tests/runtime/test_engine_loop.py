@@ -30,6 +30,7 @@ from runtime.server.ipc import Endpoints, decode, encode, pull, push
 from runtime.server.scheduler_loop import SchedulerLoop
 from runtime.server.scheduler_process import build_loop
 from runtime.server.transports import QueueTransport, ZmqTransport
+from tests.conftest import checked_engine
 
 PROMPT = list(range(100, 140))
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -202,8 +203,7 @@ def test_the_same_loop_runs_over_zmq(tiny_model_dir):
 def test_a_stopped_engine_gives_its_pool_and_weights_back(tiny_model_dir):
     """While the caller still holds the Engine (``with Engine(...) as e`` keeps ``e``), the next Engine in the
     process sizes its pool from the memory left: the stopped one must hold none of it."""
-    engine = Engine(model=str(tiny_model_dir), max_total_tokens=2048, dtype="float32", log_level="critical")
-    with engine:
+    with checked_engine(tiny_model_dir, max_total_tokens=2048, dtype="float32") as engine:
         assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
         runner = engine.runner
         assert runner.kv.nbytes > 0
