@@ -37,6 +37,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _server_logs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Server and router logs of this session in one folder under pytest's base temp (pruned to the last three
+    sessions by pytest) instead of loose files in $TMPDIR."""
+    from tests.server_harness import use_log_dir
+
+    use_log_dir(tmp_path_factory.mktemp("server-logs"))
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     from runtime.models.folders import resolve_model_path

@@ -16,15 +16,25 @@ import httpx
 from runtime.bench.servers import ManagedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "ServerProcess", "assert_kv_clean", "free_port", "pid_alive", "tmp_log"]
+__all__ = ["ROOT", "ServerProcess", "assert_kv_clean", "free_port", "pid_alive", "tmp_log", "use_log_dir"]
+
+
+_log_dir: Path | None = None
+
+
+def use_log_dir(folder: Path) -> None:
+    """Where ``tmp_log`` puts server logs from now on (the test session's own folder under pytest's base temp,
+    which pytest prunes to its last three runs, so logs of old runs do not pile up in $TMPDIR)."""
+    global _log_dir
+    _log_dir = folder
 
 
 def tmp_log(name: str) -> Path:
-    return Path(os.environ.get("TMPDIR", "/tmp")) / name
+    return (_log_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / name
 
 
 class ServerProcess(ManagedServer):
-    """``radixserve serve --model MODEL ARGS`` on ``port`` (a free one by default), logging to $TMPDIR."""
+    """``radixserve serve --model MODEL ARGS`` on ``port`` (a free one by default), logging to ``tmp_log``."""
 
     def __init__(self, model: str, args: list[str] | None = None, port: int | None = None):
         port = port or free_port()

@@ -2,6 +2,7 @@
 
 #include "fastcpu_attend.h"
 #include "fastcpu_attend_dot.h"
+#include "fastcpu_ops.h"
 
 namespace {
 
@@ -291,12 +292,54 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
 
 }  // namespace
 
+// Every slot a decode call reads lies in a pool of `total_slots` rows: each token's row of kv_index exists, its
+// length fits the row, and the slots it covers are in range. The kernel indexes the pool with them unchecked, so
+// a bad table would read outside the pool instead of failing; one pass over the used slots costs a few
+// microseconds per call (the decode stack makes it once per step, not once per layer).
+void check_decode_slots(const torch::Tensor& kv_index, const c10::optional<torch::Tensor>& row_index,
+                        const torch::Tensor& lengths, int64_t total_slots) {
+  TORCH_CHECK(kv_index.dim() == 2 && kv_index.scalar_type() == torch::kInt64 && kv_index.is_contiguous(),
+              "kv_index must be contiguous int64 [B, L]");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.dim() == 1, "lengths must be int64 [T]");
+  const torch::Tensor lens = lengths.contiguous();
+  torch::Tensor rows;
+  if (row_index.has_value()) {
+    rows = row_index->contiguous();
+    TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.numel() == lens.numel(), "row_index must be int64 [T]");
+  } else {
+    TORCH_CHECK(kv_index.size(0) == lens.numel(), "kv_index needs one row per token without row_index");
+  }
+  const int64_t width = kv_index.size(1), table_rows = kv_index.size(0);
+  const int64_t* index = kv_index.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* rp = rows.defined() ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < lens.numel(); ++t) {
+    const int64_t r = rp ? rp[t] : t;
+    TORCH_CHECK(r >= 0 && r < table_rows, "row_index out of range");
+    TORCH_CHECK(lp[t] >= 0 && lp[t] <= width, "lengths must be in 0..L");
+    const int64_t* row = index + r * width;
+    bool outside = false;  // one test per row, so that the loop vectorises (a negative slot wraps to a huge one)
+    for (int64_t j = 0; j < lp[t]; ++j) outside |= static_cast<uint64_t>(row[j]) >= static_cast<uint64_t>(total_slots);
+    TORCH_CHECK(!outside, "slot out of range");
+  }
+}
+
 // Token t (a decode row, or one new token of a short prefill chunk) attends slots
 // kv_index[row_index[t], 0 .. lengths[t] - 1] (row_index absent: row t). Returns (out [B, H, D] in q's dtype,
 // lse [B, H] float32).
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                             torch::Tensor lengths, double scale, int64_t num_kv_heads) {
+  TORCH_CHECK(q.dim() == 3 && num_kv_heads > 0, "q must be [B, H, D] and num_kv_heads positive");
+  const int64_t row_elems = num_kv_heads * (q.size(2) + (k_pool.scalar_type() == torch::kInt8 ? 4 : 0));
+  TORCH_CHECK(k_pool.numel() % row_elems == 0, "KV pools must be [slots, kv_heads * head_dim]");
+  check_decode_slots(kv_index, row_index, lengths, k_pool.numel() / row_elems);
+  return decode_attention_unchecked(q, k_pool, v_pool, kv_index, row_index, lengths, scale, num_kv_heads);
+}
+
+std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                                      torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
+                                                      torch::Tensor lengths, double scale, int64_t num_kv_heads) {
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [B, H, D]");
   const torch::ScalarType out_dtype = q.scalar_type();

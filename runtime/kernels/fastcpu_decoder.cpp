@@ -109,6 +109,7 @@ class DecodeStack {
     const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;
     // a slot's row in the pool: kv_size values, or in the int8 format each head's d values and its scale
     const int64_t total_slots = k_buffer.size(1), slot_row = kv_heads_ * k_buffer.size(3);
+    check_decode_slots(kv_index, c10::nullopt, lengths, total_slots);  // once: every layer reads the same slots
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, slot_row});
@@ -120,8 +121,8 @@ class DecodeStack {
       store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
                qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
       const torch::Tensor q = qk.narrow(1, 0, heads_);
-      std::vector<torch::Tensor> own = decode_attention(q, k_pool, v_pool, kv_index, c10::nullopt, lengths, scale_,
-                                                        kv_heads_);
+      std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, c10::nullopt, lengths,
+                                                                  scale_, kv_heads_);
       const torch::Tensor attn = own[0].contiguous();
       // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
       fastcpu::FetchPlan next;

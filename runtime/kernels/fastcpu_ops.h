@@ -20,6 +20,12 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                             torch::Tensor lengths, double scale, int64_t num_kv_heads);
+// the same without check_decode_slots (for callers that checked the slot table once for many calls)
+std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                                      torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
+                                                      torch::Tensor lengths, double scale, int64_t num_kv_heads);
+void check_decode_slots(const torch::Tensor& kv_index, const c10::optional<torch::Tensor>& row_index,
+                        const torch::Tensor& lengths, int64_t total_slots);
 
 // fastcpu_int8.cpp
 bool int8_vnni();

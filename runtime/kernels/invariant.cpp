@@ -245,6 +245,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
               row_len.scalar_type() == torch::kInt64, "index tensors must be int64");
   const int64_t t = q.size(0), h = q.size(1), d = q.size(2), hkv = k_pool.size(1);
   TORCH_CHECK(h % hkv == 0 && k_pool.size(2) == d, "head shapes disagree");
+  TORCH_CHECK(kv_index.is_contiguous() && row_start.is_contiguous() && row_len.is_contiguous() &&
+              row_start.numel() == t && row_len.numel() == t, "row_start and row_len need one entry per token");
   const int64_t group = h / hkv;
   torch::Tensor out = torch::empty({t, h, d}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -253,6 +255,14 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_p
   const int64_t* idx = kv_index.data_ptr<int64_t>();
   const int64_t* starts = row_start.data_ptr<int64_t>();
   const int64_t* lens = row_len.data_ptr<int64_t>();
+  // the loop below indexes the pool with these slots unchecked: a bad table is an error here, not a stray read
+  for (int64_t r = 0; r < t; ++r) {
+    TORCH_CHECK(starts[r] >= 0 && lens[r] >= 0 && starts[r] + lens[r] <= kv_index.numel(), "row out of kv_index");
+    bool outside = false;  // a negative slot wraps to a huge one
+    for (int64_t j = 0; j < lens[r]; ++j)
+      outside |= static_cast<uint64_t>(idx[starts[r] + j]) >= static_cast<uint64_t>(k_pool.size(0));
+    TORCH_CHECK(!outside, "slot out of range");
+  }
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t slot_stride = hkv * d;

@@ -39,7 +39,7 @@ def start_workers(model: str, n: int, kv_events: bool = True) -> list[ServerProc
 
 
 class RouterProcess(ManagedServer):
-    """``python -m router --worker-urls URLS ARGS`` on a free port, logging to $TMPDIR."""
+    """``python -m router --worker-urls URLS ARGS`` on a free port, logging to ``tmp_log``."""
 
     def __init__(self, worker_urls: list[str], args: list[str] | None = None):
         port = free_port()

@@ -46,6 +46,25 @@ def test_decode_attention_reads_the_pool_in_place(k, dtype):
         torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("index", "lengths", "rows", "error"), [
+    ([[0, 1, 2], [3, 4, 100]], [3, 3], None, "slot out of range"),  # past the pool's last row
+    ([[0, -1, 2], [3, 4, 5]], [3, 3], None, "slot out of range"),
+    ([[0, 1, 2], [3, 4, 5]], [3, 4], None, "lengths must be in 0..L"),  # longer than its row of the table
+    ([[0, 1, 2], [3, 4, 5]], [3, 3], [0, 2], "row_index out of range"),
+])
+def test_decode_attention_refuses_slots_outside_the_pool(k, index, lengths, rows, error):
+    """The kernel indexes the pool with the table's slots: a bad table is an error, not a read past the pool.
+    Slots past a row's length are padding and never read, so they may hold anything."""
+    q = torch.randn(2, 9, 64)
+    pool = torch.randn(100, 3 * 64)
+    padded = torch.tensor([[0, 1, 2, 10**9], [3, 4, 99, -7]])
+    out, _ = k.decode_attention(q, pool, pool, padded, None, torch.tensor([3, 3]), 0.125, 3)
+    assert torch.isfinite(out).all()
+    row_index = None if rows is None else torch.tensor(rows)
+    with pytest.raises(RuntimeError, match=error):
+        k.decode_attention(q, pool, pool, torch.tensor(index), row_index, torch.tensor(lengths), 0.125, 3)
+
+
 # Queries in float32, and in bfloat16 as a bf16 model hands them over: over a bf16 pool those take the bf16
 # dot-product path where it is built (fastcpu_attention.cpp).
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])

@@ -86,3 +86,17 @@ def test_attention_equals_sdpa_and_a_token_is_independent_of_the_others(k):
     # the last prefill token, computed alone as if it were a decode step: the same bits
     one = k.attention(q[4:5].contiguous(), k_pool, v_pool, slots[0], torch.tensor([0]), torch.tensor([45]), scale)
     assert torch.equal(one[0], out[4])
+
+
+@pytest.mark.parametrize(("slots", "starts", "lens", "error"), [
+    ([0, 1, 300], [0], [3], "slot out of range"),  # the pool has 300 rows
+    ([0, -1, 2], [0], [3], "slot out of range"),
+    ([0, 1, 2], [1], [3], "row out of kv_index"),  # the row runs past the table
+    ([0, 1, 2], [0, 0], [3, 3], "one entry per token"),
+])
+def test_attention_refuses_a_table_outside_the_pool(k, slots, starts, lens, error):
+    """The kernel indexes the pool with the table's slots: a bad table is an error, not a read past the pool."""
+    k_pool = torch.randn(300, 3, 64)
+    q = torch.randn(1, 9, 64)
+    with pytest.raises(RuntimeError, match=error):
+        k.attention(q, k_pool, k_pool, torch.tensor(slots), torch.tensor(starts), torch.tensor(lens), 0.125)
