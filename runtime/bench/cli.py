@@ -106,9 +106,10 @@ def add_bench_parser(sub: Any) -> None:
     wlp.add_argument("--out", default=None, help="Write the workload to this file.")
 
     prof = bsub.add_parser("profile", formatter_class=fmt, help="Time the parts of one scheduler step in-process.",
-                           description="Time scheduling, batch building, model forward, sampling and result "
-                           "processing of scheduler steps on a few-shot batch, each next to the weight-streaming "
-                           "floor measured in the same run, and a ZMQ round trip of 64 outputs.")
+                           description="Time scheduling, batch building, attention planning, the decoder layers, "
+                           "the output projection, sampling and result processing of scheduler steps on a few-shot "
+                           "batch, each next to the weight-streaming floor measured in the same run, and a ZMQ round "
+                           "trip of 64 outputs.")
     prof.add_argument("--model", default="default", help="Model to load (as radixserve serve --model).")
     prof.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores).")
     prof.add_argument("--batch", type=int, default=8, help="Requests in the batch.")

@@ -4,10 +4,15 @@ The step is the normal loop's, driven through the Scheduler's public steps with 
 
 - scheduling + batch building: ``schedule_next()`` (decode room, KV slots for running requests, admission
   with prefix match, then ``build_step``, whose share ``ForwardInput.build_seconds`` reports);
-- model forward: ``launch()`` (attention planning, the layers, logits of the sampled rows) minus sampling;
-- sampling: ``Sampler.sample`` (timed by wrapping it while ``launch`` runs; its ``prepare`` runs while
-  scheduling and counts there);
+- attention planning: the attention backend's ``plan`` for the batch (cascade groups, slot tables: Python work
+  outside the kernels);
+- decoder layers: the rest of the model's forward in ``launch()``;
+- output projection: ``compute_logits`` of the sampled rows;
+- sampling: ``Sampler.sample`` (its ``prepare`` runs while scheduling and counts there);
 - result processing: ``process()`` (stop checks, cache inserts, outputs).
+
+Planning, output projection and sampling are timed by wrapping those methods while ``launch`` runs; the decoder
+layers are ``launch`` less the three.
 
 Scenarios, as the few-shot workload produces them at concurrency 8: a cold prefill chunk (the shared
 ~1,000-token block, first request), a mixed step (7 questions admitted with their prefix cached + 1 decode)
@@ -26,14 +31,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-PARTS = ("scheduling", "batch_build", "forward", "sampling", "process")
+PARTS = ("scheduling", "batch_build", "planning", "forward", "logits", "sampling", "process")
 PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch building",
-              "forward": "model forward", "sampling": "sampling", "process": "result processing"}
+              "planning": "attention planning", "forward": "decoder layers", "logits": "output projection",
+              "sampling": "sampling", "process": "result processing"}
 
 
 def timed_step(sched: Any) -> dict[str, float] | None:
     """One normal-loop step with each part timed (seconds); None when there was nothing to run."""
-    spent = {"sampling": 0.0}
+    spent = {"sampling": 0.0, "planning": 0.0, "logits": 0.0}
 
     def timing(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kw: Any) -> Any:
@@ -50,17 +56,24 @@ def timed_step(sched: Any) -> dict[str, float] | None:
     if inp is None:
         return None
     t1 = time.perf_counter()
-    sched.sampler.sample = timing("sampling", sched.sampler.sample)  # instance attribute shadows the method
+    model = sched.runner.model
+    # instance attributes shadow the methods while the step runs
+    timed = [(sched.sampler, "sample", "sampling"), (model.attn_backend, "plan", "planning"),
+             (model, "compute_logits", "logits")]
+    for obj, method, part in timed:
+        setattr(obj, method, timing(part, getattr(obj, method)))
     try:
         out = sched.launch(inp)
     finally:
-        del sched.sampler.sample
+        for obj, method, _ in timed:
+            delattr(obj, method)
     t2 = time.perf_counter()
     sched.process(out)
     t3 = time.perf_counter()
     sched.stats.record_step(inp.num_decodes, inp.prefill_tokens, t3 - t0)
     return {"scheduling": t1 - t0 - inp.build_seconds, "batch_build": inp.build_seconds,
-            "forward": t2 - t1 - spent["sampling"], "sampling": spent["sampling"], "process": t3 - t2,
+            "planning": spent["planning"], "forward": t2 - t1 - sum(spent.values()), "logits": spent["logits"],
+            "sampling": spent["sampling"], "process": t3 - t2,
             "total": t3 - t0, "decodes": float(inp.num_decodes), "prefill_tokens": float(inp.prefill_tokens)}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import runtime.bench.floor as floor
-from runtime.bench.profile import floor_ratio, format_profile, profile_server_args, run_profile
+from runtime.bench.profile import PARTS, floor_ratio, format_profile, profile_server_args, run_profile
 from runtime.bench.report import render_section
 
 
@@ -36,6 +36,12 @@ def test_each_step_is_set_against_the_floor_of_the_fastest_probe(tiny_model_dir:
     assert p["kv_integrity"]["private"] == 0 and p["kv_integrity"]["protected"] == 0, p["kv_integrity"]
     text = format_profile(p)
     for name, sc in p["scenarios"].items():
+        # the parts partition the step: the layers are launch() less planning, projection and sampling (one repeat
+        # and two decode steps: each part's median is then a mean, so the medians add up like the steps)
+        assert sum(sc[part] for part in PARTS) == pytest.approx(sc["total"], rel=1e-6), (name, sc)
+        assert sc["planning"] > 0 and sc["forward"] > 0, (name, sc)
+        # a chunk of a longer prompt samples nothing, so only steps with a decode row project logits for sure
+        assert sc["logits"] > 0 or sc["decodes"] == 0, (name, sc)
         ratio = floor_ratio(p, name)
         assert ratio == pytest.approx(1e3 * sc["total"] / f["floor_ms"]) and ratio > 0
         assert f"{ratio:.2f}x" in text
