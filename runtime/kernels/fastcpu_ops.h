@@ -20,7 +20,7 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                             torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                             torch::Tensor lengths, double scale, int64_t num_kv_heads);
-// the same without check_decode_slots (for callers that checked the slot table once for many calls)
+// the same without check_decode_slots, which the caller must have run on the same table (once for many calls)
 std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                                       torch::Tensor kv_index, c10::optional<torch::Tensor> row_index,
                                                       torch::Tensor lengths, double scale, int64_t num_kv_heads);
