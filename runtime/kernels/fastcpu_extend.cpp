@@ -123,9 +123,12 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const
     TORCH_CHECK(slots[j * kv_index.stride(0)] >= 0 && slots[j * kv_index.stride(0)] < rows, "slot out of range");
 }
 
-// Scores of R query rows (bf16 pairs, [R][D/2] words) against NT key tiles from `tile`: sc[r][j], scaled.
-// Each broadcast query word feeds NT dot products (one per tile), so NT = 3 takes a third of the broadcasts per
-// product that one tile at a time did (R x NT = 24 accumulators, NT key vectors and a broadcast in the 32 registers).
+// Scores of R query rows (bf16 pairs, interleaved: word i of row r at qp[i * R + r]) against NT key tiles from
+// `tile`: sc[r][j], scaled. Each broadcast query word feeds NT dot products (one per tile), so NT = 3 takes a third
+// of the broadcasts per product that one tile at a time did (R x NT = 24 accumulators, NT key vectors and a
+// broadcast in the 32 registers). The interleaved words are one pointer for all R rows: with a pointer per row the
+// loop needed more general registers than there are, and the compiler kept some in vector registers and a key
+// vector on the stack, reloaded before every other product.
 template <int R, int NT>
 inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float scale, float* sc,
                         int64_t ldsc, bool kept, FetchCursor& fetch) {
@@ -142,8 +145,9 @@ inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, i
     fetch.tick();
     __m512bh kv[NT];
     for (int t = 0; t < NT; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(kt + (t * pairs + i) * kKeys * 2);
+    const uint32_t* words = qp + i * R;
     for (int r = 0; r < R; ++r) {
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * pairs + i]));
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(words[r]));
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], kv[t], qb);
     }
   }
@@ -174,9 +178,32 @@ int64_t block_rows(int64_t rows, int64_t hkv, int64_t threads) {
   return busiest(kWideRows) < busiest(kRows) ? kWideRows : kRows;
 }
 
-// Row r's softmax over its first len keys, in place; writes its probabilities as bf16 pairs (zero from len on,
-// up to `padded` keys) and returns (max, sum).
-std::pair<float, float> softmax_row(float* s, int64_t len, int64_t padded, uint32_t* pp) {
+// exp(x) for the softmax's x = score - max <= 0: a degree-6 Taylor polynomial on the reduced argument
+// (|r| <= ln(2) / 2: relative error below 1.7e-7, exp16's order, so the bf16 rounding of a probability changes as
+// rarely as with exp16) and no upper clamp, as x is never positive: twelve operations where exp16 takes fifteen,
+// in the softmax, which took a fifth of the kernel at decode rows. 2^n comes from vscalefps, which gives 0 for the
+// clamped x = -87.3 and below.
+inline v16 exp16_softmax(v16 x) {
+  const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.0f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return (v16)_mm512_scalef_ps(y, n);
+}
+
+// Row r's softmax over its first len keys: writes its probabilities as bf16 pairs (zero from len on, up to
+// `padded` keys, a multiple of 32) and returns (max, sum). The probabilities go from the exponential straight to
+// their bf16 pairs, 32 keys at a time: writing them back as fp32 and converting in another pass (with a pass to
+// zero the padding) took a third of the kernel's time at decode rows.
+std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded, uint32_t* pp) {
   // The max 16 lanes at a time: a scalar pass is one dependent compare per key (~3 cycles each), which cost as
   // much as the row's score and value dot products together. Max is exact, so the result does not change.
   __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -185,22 +212,21 @@ std::pair<float, float> softmax_row(float* s, int64_t len, int64_t padded, uint3
   if (j < len) vmx = _mm512_mask_max_ps(vmx, static_cast<__mmask16>((1u << (len - j)) - 1u), vmx,
                                         _mm512_loadu_ps(s + j));
   const float mx = _mm512_reduce_max_ps(vmx);
-  v16 sum = splat(0.f);
-  j = 0;
-  for (; j + 16 <= len; j += 16) {
-    const v16 p = exp16(load(s + j) - splat(mx));
-    store(s + j, p);
+  // 16 probabilities from key j: exp(s - max) up to len, zero past it
+  const auto probs = [&](int64_t j0, v16& sum) {
+    if (j0 >= len) return _mm512_setzero_ps();
+    const __mmask16 live = j0 + 16 <= len ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (len - j0)) - 1u);
+    const v16 p = (v16)_mm512_maskz_mov_ps(live, (__m512)exp16_softmax(load(s + j0) - splat(mx)));
     sum += p;
+    return (__m512)p;
+  };
+  v16 sum = splat(0.f);
+  for (int64_t k = 0; k < padded; k += 32) {
+    const __m512 lo = probs(k, sum), hi = probs(k + 16, sum);
+    _mm512_storeu_si512(pp + k / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
-  float total = 0.f;
-  for (int64_t c = 0; c < 16; ++c) total += sum[c];
-  for (; j < len; ++j) {
-    s[j] = std::exp(s[j] - mx);
-    total += s[j];
-  }
-  std::fill(s + len, s + padded, 0.f);
-  for (int64_t k = 0; k < padded; k += 32) bf16_pairs32(s + k, pp + k / 2);
-  return {mx, total};
+  return {mx, _mm512_reduce_add_ps((__m512)sum)};
 }
 
 // out[r][:] = sum over key pairs of probabilities x values, for RB rows (NV = D / 16 accumulators each).
@@ -337,7 +363,9 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
         const float* qr = qf + (t * h + head) * d;
-        for (int64_t i = 0; i < d; i += 32) bf16_pairs32(qr + i, qp.data() + r * pairs + i / 2);
+        uint32_t words[kMaxDim / 2];
+        for (int64_t i = 0; i < d; i += 32) bf16_pairs32(qr + i, words + i / 2);
+        for (int64_t i = 0; i < pairs; ++i) qp[i * brows + r] = words[i];  // interleaved (score_tiles)
         max_len = std::max(max_len, lens[t]);
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
