@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from radix.kv_int8 import dequantize_slots
+from radix.kv_storage import KVStorage
 from runtime.attention.base import AttentionShape
 from runtime.kernels import kernel_input
 
@@ -56,11 +57,13 @@ class PagedDecodeKernel:
         # reuse key -> (layer, pool address) -> pack_prefix's (K, V); see shared()
         self._packed: dict[Hashable, dict[tuple[int, int], list[torch.Tensor]]] = {}
         self._packed_bytes = 0
+        # reuse key -> (the pool's layer-0 K and V addresses, every layer's pack): see layer_packs()
+        self._stacks: dict[Hashable, tuple[tuple[int, int], list[list[torch.Tensor] | None]]] = {}
 
     @property
     def kept_keys(self) -> set[Hashable]:
-        """The reuse keys under which packed prefixes are kept now."""
-        return set(self._packed)
+        """The reuse keys under which packed prefixes are kept now (layer by layer, or as a stack's list)."""
+        return set(self._packed) | set(self._stacks)
 
     def kept(self, reuse: Hashable) -> dict[tuple[int, int], list[torch.Tensor]]:
         """The packs kept under ``reuse``: (layer, pool address) -> pack_prefix's (K, V); empty when none."""
@@ -70,6 +73,7 @@ class PagedDecodeKernel:
         """Forget the packed prefixes whose reuse key is not in ``keys`` (those of the batch about to run)."""
         for key in [k for k in self._packed if k not in keys]:
             self._packed_bytes -= sum(t.nbytes for pair in self._packed.pop(key).values() for t in pair)
+            self._stacks.pop(key, None)
 
     def gemm(self, tokens: int, dtype: torch.dtype) -> bool:
         """Whether a prefill chunk of ``tokens`` tokens whose KV rows reach the kernel in ``dtype``
@@ -167,6 +171,21 @@ class PagedDecodeKernel:
                 layers[where] = packed
                 self._packed_bytes += need
         return packed
+
+    def layer_packs(self, kv: KVStorage, slots: torch.Tensor,
+                    reuse: Hashable | None) -> list[list[torch.Tensor] | None]:
+        """Every layer's :meth:`prefix_pack` of the prefix ``slots`` of the pool ``kv`` (the native decode stack's
+        input). Once every layer has its pack, the list is kept beside them: a cascade group's later decode steps
+        take it in one lookup instead of thirty (0.12 ms of each batch-8 step went to those)."""
+        pool = (kv.k(0).data_ptr(), kv.v(0).data_ptr())
+        kept = self._stacks.get(reuse) if reuse is not None else None
+        if kept is not None and kept[0] == pool:
+            return kept[1]
+        packs = [self.prefix_pack(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1), slots, i, reuse,
+                                  kv.shape.dtype) for i in range(kv.shape.num_layers)]
+        if reuse is not None and all(pack is not None for pack in packs):
+            self._stacks[reuse] = (pool, packs)
+        return packs
 
     def _dequantised(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,7 +43,6 @@ from runtime.attention.torch_native_plan import (
     CascadePlan,
     DecodeGroup,
     PrefillChunk,
-    SharedPart,
     TorchNativeMetadata,
     plan_batch,
 )
@@ -127,21 +126,14 @@ class TorchNativeBackend(AttentionBackend):
                     batch.kv.shape.dtype):
                 return None
             dec = casc.decode
-            shared = [SharedRead(p.start, p.end, p.slots, self._prefix_packs(batch, p)) for p in casc.shared]
+            shared = [SharedRead(p.start, p.end, p.slots, self.paged.layer_packs(batch.kv, p.slots, p.reuse_key))
+                      for p in casc.shared]
             # the stack packs a group's prefix from the pool when nothing is kept: a bf16 pool's only
             if batch.kv.shape.int8 and any(pack is None for read in shared for pack in read.packs):
                 return None
         if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
         return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)
-
-    def _prefix_packs(self, batch: ForwardBatch, part: SharedPart) -> list[list[torch.Tensor] | None]:
-        """Every layer's packed prefix of a cascade group, as ``_cascade`` would keep it layer by layer."""
-        assert self.paged is not None
-        kv = batch.kv
-        return [self.paged.prefix_pack(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1),
-                                       part.slots, i, part.reuse_key, kv.shape.dtype)
-                for i in range(kv.shape.num_layers)]
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

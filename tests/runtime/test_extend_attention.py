@@ -205,6 +205,38 @@ def test_backend_reuses_the_pack_while_the_prefix_is_untouched_and_repacks_when_
     assert fast.paged.kept_keys == set()
 
 
+@requires_bf16_dot
+def test_a_decode_batch_takes_every_layers_kept_pack_as_one_list_until_its_key_changes():
+    """The native decode stack reads a group's packs of all layers as one list: the packs kept layer by layer,
+    the same list on the group's later steps, and a new list of new packs once a page under the prefix was freed
+    (the old key's packs, list included, are dropped at planning)."""
+    g = torch.Generator().manual_seed(6)
+    kv = KVStorage(KVShape(3, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 1024)
+    kv.k_buffer.normal_(generator=g)
+    kv.v_buffer.normal_(generator=g)
+    alloc = PagedAllocator(511, page_size=2)
+    prefix = alloc.alloc(300)
+    fast = TorchNativeBackend(SHAPE)
+    assert fast.paged is not None
+
+    def packs() -> tuple[list, tuple]:
+        batch = group_batch(kv, prefix, [2, 4, 3, 5], alloc)  # (4 - 1) x 300 saved rows: one group
+        fast.plan(batch)
+        read = fast.decode_in_place(batch)
+        assert read is not None and len(read.shared) == 1
+        return read.shared[0].packs, batch.attn_metadata.cascade.shared[0].reuse_key
+
+    first, key = packs()
+    kept = fast.paged.kept(key)
+    assert len(first) == 3 and all(first[i] is kept[(i, kv.k(i).data_ptr())] for i in range(3))
+    again, same = packs()
+    assert same == key and again is first
+    alloc.free(prefix[:2].sort().values)
+    moved, new_key = packs()
+    assert new_key != key and moved is not first and fast.paged.kept_keys == {new_key}
+    assert all(a is not b for a, b in zip(moved, first))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_attention_kernel_joins_two_parts_as_the_softmax_over_their_union(dtype):
     """merge_attention (one pass in place, the decode stack's and the layer path's) against the exact attention
