@@ -350,16 +350,20 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   };
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
     FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
-    std::vector<uint32_t> qp(brows * pairs);
-    std::vector<float> sc(brows * padded);
-    std::vector<uint32_t> pp(brows * padded / 2);
-    std::vector<float> acc(brows * d);
+    // Scratch left uninitialised (new[], not std::vector's zero fill: 80 KB a thread per call at a decode group's
+    // 12-row blocks): each pass writes what the next one reads, the queries' padding rows are zeroed below.
+    std::unique_ptr<uint32_t[]> qp_buf(new uint32_t[brows * pairs]), pp_buf(new uint32_t[brows * padded / 2]);
+    std::unique_ptr<float[]> sc_buf(new float[brows * padded]), acc_buf(new float[brows * d]);
+    uint32_t* const qp = qp_buf.get();
+    uint32_t* const pp = pp_buf.get();
+    float* const sc = sc_buf.get();
+    float* const acc = acc_buf.get();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / blocks, r0 = (item % blocks) * brows, nrows = std::min<int64_t>(brows, rows - r0);
       const uint16_t* kp = kpack + kvh * padded * d;
       const uint16_t* vp = vpack + kvh * padded * d;
       int64_t max_len = 0;
-      std::fill(qp.begin(), qp.end(), 0u);
+      std::fill(qp, qp + brows * pairs, 0u);
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
         const float* qr = qf + (t * h + head) * d;
@@ -371,22 +375,22 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
       const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
       if (brows == kWideRows)
-        score_rows<kWideRows>(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded,
+        score_rows<kWideRows>(qp, pairs, kp, used_tiles, static_cast<float>(scale), sc, padded,
                               packed.has_value(), ahead);
       else
-        score_rows<kRows>(qp.data(), pairs, kp, used_tiles, static_cast<float>(scale), sc.data(), padded,
+        score_rows<kRows>(qp, pairs, kp, used_tiles, static_cast<float>(scale), sc, padded,
                           packed.has_value(), ahead);
       float mx[kWideRows], total[kWideRows];
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group;
-        std::tie(mx[r], total[r]) = softmax_row(sc.data() + r * padded, lens[t], used_even,
-                                                pp.data() + r * padded / 2);
+        std::tie(mx[r], total[r]) = softmax_row(sc + r * padded, lens[t], used_even,
+                                                pp + r * padded / 2);
       }
       const int64_t key_pairs = used / 2;
       if (d == 64)
-        value_block<4>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows, ahead);
+        value_block<4>(pp, padded / 2, key_pairs, vp, acc, d, nrows, ahead);
       else
-        value_block<8>(pp.data(), padded / 2, key_pairs, vp, acc.data(), d, nrows, ahead);
+        value_block<8>(pp, padded / 2, key_pairs, vp, acc, d, nrows, ahead);
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
         const float inv = 1.0f / total[r];
