@@ -209,6 +209,18 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   // multiplies by exp(0) = 1 and adds to 0, which change no bit), without the parts' buffers and the merge's pass:
   // at batch 8 under a cascade group, a parallel region and three allocations less in each layer.
   const bool one_range = splits == 1;
+  // A head's result (row `item` of out and lse) from its weighted value sum o, its weights' sum and their max.
+  const auto finish = [&](int64_t item, const float* o, float total, float mx) {
+    const float inv = total > 0.f ? 1.0f / total : 0.f;
+    for (int64_t i = 0; i < d; i += 16) {
+      const v16 v = load(o + i) * splat(inv);
+      if (out_f != nullptr)
+        store(out_f + item * d + i, v);
+      else
+        store(out_b + item * d + i, v);
+    }
+    lp[item] = mx + std::log(total);
+  };
   const int64_t parts = one_range ? 0 : b;
   torch::Tensor part_m = torch::empty({parts, splits, h}, opts);
   torch::Tensor part_l = torch::empty({parts, splits, h}, opts);
@@ -258,19 +270,11 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
           for (int64_t g = 0; g < group; ++g) {
             const int64_t x = i * group + g;
             const bool empty = j0 >= std::min(lens[r], j1);  // no position of this range for this token
-            if (one_range) {
-              const int64_t at = base + g;  // (r, head): the output's row
-              const float total = empty ? 0.f : ls[x];
-              const float inv = total > 0.f ? 1.0f / total : 0.f;
-              for (int64_t c = 0; c < d; c += 16) {
-                // 0 + acc, as the merge's sum starts: a -0 becomes +0 there too
-                const v16 o = empty ? splat(0.f) : (splat(0.f) + load(accs.data() + x * d + c)) * splat(inv);
-                if (out_f != nullptr)
-                  store(out_f + at * d + c, o);
-                else
-                  store(out_b + at * d + c, o);
-              }
-              lp[at] = (empty ? -INFINITY : ms[x]) + std::log(total);
+            if (one_range) {  // base + g is (r, head): the output's row
+              alignas(64) float o[kMaxDim];
+              // 0 + acc, as the merge's sum starts: a -0 becomes +0 there too
+              for (int64_t c = 0; c < d; ++c) o[c] = empty ? 0.f : 0.f + accs[x * d + c];
+              finish(base + g, o, empty ? 0.f : ls[x], empty ? -INFINITY : ms[x]);
               continue;
             }
             pm[base + g] = empty ? -INFINITY : ms[x];
@@ -285,32 +289,24 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
     }
   });
   if (one_range) return {out, lse};
-  auto merge = [&](auto* op) {
-    at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
-      alignas(64) float o[kMaxDim];
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t r = item / h, head = item % h;
-        float mx = -INFINITY;
-        for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * h + head]);
-        float total = 0.f;
-        std::fill(o, o + d, 0.f);
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          const int64_t at = (r * splits + sp) * h + head;
-          if (pl[at] == 0.f) continue;
-          const float w = std::exp(pm[at] - mx);
-          total += pl[at] * w;
-          for (int64_t i = 0; i < d; ++i) o[i] += pa[at * d + i] * w;
-        }
-        const float inv = total > 0.f ? 1.0f / total : 0.f;
-        for (int64_t i = 0; i < d; i += 16) store(op + item * d + i, load(o + i) * splat(inv));
-        lp[item] = mx + std::log(total);
+  at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float o[kMaxDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / h, head = item % h;
+      float mx = -INFINITY;
+      for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, pm[(r * splits + sp) * h + head]);
+      float total = 0.f;
+      std::fill(o, o + d, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t at = (r * splits + sp) * h + head;
+        if (pl[at] == 0.f) continue;
+        const float w = std::exp(pm[at] - mx);
+        total += pl[at] * w;
+        for (int64_t i = 0; i < d; ++i) o[i] += pa[at * d + i] * w;
       }
-    });
-  };
-  if (out_f != nullptr)
-    merge(out_f);
-  else
-    merge(out_b);
+      finish(item, o, total, mx);
+    }
+  });
   return {out, lse};
 }
 
