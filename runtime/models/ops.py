@@ -11,7 +11,9 @@ own shape, so each row's result is the same in any batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from runtime.config import cpu_flags
 from runtime.kernels import KERNEL_DTYPES, kernel_input
+from runtime.models.hugepages import huge_pages_mode, weight_arena
 from runtime.models.layers import apply_rotary, rms_norm
 from runtime.models.packed import PackedWeight, pack_weight, unpack_weight
 
@@ -170,19 +173,28 @@ class PackedCpuOps(TorchOps):
 
     def prepare(self, model: Any) -> None:
         """Pack the model's linear weights, and its output projection (kept unpacked too when it is the
-        embedding table, which lookups still read)."""
-        self.pack(model.linear_weights(), release=self.weight_format == "int8")
+        embedding table, which lookups still read), all on huge pages where the kernel has them."""
         out = model.output_weight()
-        self.pack([out], release=self.weight_format == "int8" and out is not model.embed_tokens)
+        self.pack([*model.linear_weights(), out], release=lambda w: self.weight_format == "int8"
+                  and w is not model.embed_tokens)
 
-    def pack(self, weights: list[torch.Tensor], release: bool) -> None:
-        """Pack each ``[N, K]`` weight; ``release`` frees the model's own copy (the panels stand for it)."""
+    def pack(self, weights: list[torch.Tensor], release: Callable[[torch.Tensor], bool]) -> None:
+        """Pack each ``[N, K]`` weight; ``release(w)`` says whether to free the model's own copy (the panels stand
+        for it). Every decode step streams the panels: they go onto huge pages where the kernel has them
+        (hugepages.py)."""
         layout = "vnni" if self.vnni else "bf16pair" if self.bf16_dot else "kmajor"
+        arena = weight_arena()
         for w in weights:
-            pw = self.packed[id(w)] = pack_weight(w.detach(), self.weight_format, layout)
+            pw = pack_weight(w.detach(), self.weight_format, layout)
+            if arena is not None:
+                pw = dataclasses.replace(pw, data=arena.place(pw.data))
+            self.packed[id(w)] = pw
             self.linears[id(w)] = self.k.PackedLinear(pw.layout, pw.data, pw.out_features, pw.scale, self.act_block)
-            if release:
+            if release(w):
                 w.data = w.data.new_empty(0)
+        if arena is not None:
+            logger.info("%d packed weights on transparent huge pages (%.0f MB; mode %s)", len(weights),
+                        arena.used / 1e6, huge_pages_mode())
 
     def runs_packed(self, rows: int) -> bool:
         """Whether a linear layer over ``rows`` activation rows runs the packed kernel (not a library GEMM)."""

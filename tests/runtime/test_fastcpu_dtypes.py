@@ -163,7 +163,7 @@ def test_packed_ops_keep_the_activation_dtype(fmt):
     g = torch.Generator().manual_seed(9)
     ops = PackedCpuOps(fmt)
     w = torch.nn.Parameter(torch.randn(96, 64, generator=g), requires_grad=False)
-    ops.pack([w], release=False)
+    ops.pack([w], release=lambda _: False)
     # 3 rows: within every format's packed-kernel limit (bf16 without bf16 dot products hands 4+ rows to oneDNN)
     x = torch.randn(3, 64, generator=g).bfloat16()
     y = ops.linear(x, w, None)

@@ -1,0 +1,108 @@
+"""Memory on transparent huge pages for what every decode step streams: the packed weights.
+
+Why: a small-batch decode step reads every weight once, so it runs at the speed
+the memory streams them. On 4 KB pages the 270 MB of SmolLM2's bf16 weights span 66k pages: each step misses the
+TLB on every one of them (a two-dimensional page walk on a VM) and the hardware prefetchers stop at every 4 KB
+boundary. On the Zen 4 development VM a two-thread torch sum over 256 MB read 35-36 GB/s on 4 KB pages and 56-60
+GB/s on 2 MB pages; the bf16 linear kernels over 30 layers' weights at one row ran 1.55x faster. Linux gives
+anonymous memory huge pages without being asked only in its "always" mode; in "madvise" mode (the default of many
+distributions) a mapping must ask with ``madvise(MADV_HUGEPAGE)``, which torch's allocator never does.
+
+:func:`anonymous` maps private anonymous memory aligned to a huge page and advised for huge pages (zero-filled by
+the OS as it is first touched, 2 MB at a time); :class:`HugePageArena` copies tensors into such mappings one after
+another. Where the kernel has no transparent huge pages ("never", or not Linux) the mappings are plain pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+ALIGN = 64  # each tensor starts on a cache line: the kernels' vector loads and prefetches assume it
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_mode() -> str:
+    """The kernel's transparent huge page mode: "always", "madvise" or "never" ("never" where there is no
+    such setting)."""
+    try:
+        text = _THP_MODE.read_text()
+    except OSError:
+        return "never"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "never"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def anonymous(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zero-filled private anonymous memory as a uint8 tensor (which keeps the mapping alive), its
+    start aligned to a huge page and the whole of it advised for huge pages."""
+    # private: a shared anonymous mapping is shmem, whose huge pages follow another setting (often "never")
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # + alignment slack
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and nbytes:
+        mapping.madvise(advice, start, len(mapping) - start)
+    return whole[start:start + nbytes]
+
+
+class _Mapping:
+    """One :func:`anonymous` mapping of ``capacity`` bytes, filled from the start."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.bytes = anonymous(capacity)
+        self.used = 0
+
+
+class HugePageArena:
+    """Tensors copied into anonymous mappings on huge pages, one after another.
+
+    :meth:`place` copies a contiguous tensor into the next free 64-byte-aligned slice of the current mapping, and
+    opens a new mapping of ``chunk`` bytes (or the tensor's size, rounded up to a huge page, if larger) when it does
+    not fit; so a caller can pack one weight at a time and drop each packed original at once (a model's weights
+    never sit in memory twice over). A mapping lives as long as any tensor placed in it.
+    """
+
+    def __init__(self, chunk: int = 256 << 20):
+        self.chunk = _round_up(chunk, HUGE_PAGE)
+        self._current: _Mapping | None = None
+        self.mapped = 0  # bytes of all mappings opened
+        self.used = 0  # bytes of the tensors placed
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` (contiguous, on the CPU) in the arena."""
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError("only contiguous CPU tensors can be placed")
+        n = tensor.nbytes
+        cur = self._current
+        at = _round_up(cur.used, ALIGN) if cur is not None else 0
+        if cur is None or at + n > cur.capacity:
+            cur = self._current = _Mapping(max(self.chunk, _round_up(n, HUGE_PAGE)))
+            self.mapped += cur.capacity
+            at = 0
+        copy = cur.bytes[at:at + n].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        cur.used = at + n
+        self.used += n
+        return copy
+
+
+def weight_arena() -> HugePageArena | None:
+    """An arena for weights where the kernel has transparent huge pages; None (keep them where they are) where it
+    has none."""
+    mode = huge_pages_mode()
+    if mode == "never":
+        logger.info("weights stay on 4 KB pages (no transparent huge pages here)")
+        return None
+    return HugePageArena()

@@ -1,0 +1,101 @@
+"""Packed weights on transparent huge pages (runtime/models/hugepages.py): the mappings are aligned and advised for
+huge pages, the copies hold the same bits, and the packed kernels give the same products from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models import hugepages
+from runtime.models.hugepages import ALIGN, HUGE_PAGE, HugePageArena, anonymous, huge_pages_mode
+from runtime.models.ops import PackedCpuOps
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                                           ("always madvise [never]", "never"), ("", "never")])
+def test_the_mode_is_the_bracketed_word(tmp_path, monkeypatch, text, mode):
+    setting = tmp_path / "enabled"
+    setting.write_text(text)
+    monkeypatch.setattr(hugepages, "_THP_MODE", setting)
+    assert huge_pages_mode() == mode
+
+
+def test_no_setting_means_no_huge_pages(tmp_path, monkeypatch):
+    monkeypatch.setattr(hugepages, "_THP_MODE", tmp_path / "missing")
+    assert huge_pages_mode() == "never"
+
+
+def test_an_anonymous_mapping_is_zeroed_aligned_and_advised_for_huge_pages():
+    t = anonymous(3 * HUGE_PAGE + 12345)
+    assert t.dtype == torch.uint8 and t.numel() == 3 * HUGE_PAGE + 12345
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert int(t.count_nonzero()) == 0
+    t[-1] = 7  # writable to its last byte
+    assert int(t[-1]) == 7
+    assert "hg" in vm_flags(t.data_ptr())  # MADV_HUGEPAGE: the kernel backs it with huge pages when it can
+    assert "hg" in vm_flags(t.data_ptr() + t.numel() - 1)
+
+
+def test_the_arena_copies_tensors_bit_for_bit_one_after_another_on_cache_lines():
+    g = torch.Generator().manual_seed(0)
+    arena = HugePageArena(chunk=HUGE_PAGE)
+    tensors = [torch.randn(37, 5, generator=g), torch.randint(-128, 127, (1000,), dtype=torch.int8, generator=g),
+               torch.randn(3, 64, generator=g).bfloat16()]
+    placed = [arena.place(t) for t in tensors]
+    for t, p in zip(tensors, placed):
+        assert p.dtype == t.dtype and p.shape == t.shape and torch.equal(p, t)
+        assert p.data_ptr() % ALIGN == 0 and p.data_ptr() != t.data_ptr()
+    assert placed[1].data_ptr() == placed[0].data_ptr() + (tensors[0].nbytes + ALIGN - 1) // ALIGN * ALIGN
+    assert arena.used == sum(t.nbytes for t in tensors) and arena.mapped == HUGE_PAGE
+    tensors[0].zero_()  # a copy, not a view
+    assert not torch.equal(placed[0], tensors[0])
+
+
+def test_a_tensor_that_does_not_fit_opens_a_mapping_of_its_own():
+    arena = HugePageArena(chunk=HUGE_PAGE)
+    small = arena.place(torch.ones(1000))
+    big = arena.place(torch.full((HUGE_PAGE // 4 + 10,), 2.0))  # 2 MB + 40 bytes: larger than a chunk
+    after = arena.place(torch.full((10,), 3.0))
+    assert arena.mapped == HUGE_PAGE + 2 * HUGE_PAGE
+    assert big.data_ptr() % HUGE_PAGE == 0 and bool((big == 2).all()) and bool((small == 1).all())
+    assert after.data_ptr() == big.data_ptr() + big.nbytes + (-big.nbytes % ALIGN)
+
+
+def test_only_contiguous_cpu_tensors_are_placed():
+    with pytest.raises(ValueError, match="contiguous"):
+        HugePageArena().place(torch.ones(4, 4).t())
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_packed_weights_on_huge_pages_give_the_products_of_packed_weights_elsewhere(monkeypatch, fmt):
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.nn.Parameter(torch.randn(n, k, generator=g) * 0.1, requires_grad=False)
+               for n, k in ((192, 64), (64, 160), (130, 64))]
+    x = {k: torch.randn(3, k, generator=g).bfloat16() for k in (64, 160)}
+
+    def products(mode: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(hugepages, "huge_pages_mode", lambda: mode)
+        ops = PackedCpuOps(fmt)
+        ops.pack(weights, release=lambda _: False)
+        packed = [ops.packed[id(w)].data for w in weights]
+        if mode != "never":  # one arena: the first panel at a huge page boundary, the others after it
+            assert packed[0].data_ptr() % HUGE_PAGE == 0
+            assert all("hg" in vm_flags(p.data_ptr()) for p in packed)
+        return [ops.linear(x[w.shape[1]], w, None) for w in weights]
+
+    for on_huge, elsewhere in zip(products("madvise"), products("never")):
+        assert torch.equal(on_huge, elsewhere)
