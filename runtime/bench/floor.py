@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime.models.hugepages import anonymous
+from radix.hugepages import anonymous
 
 
 def last_level_cache_bytes() -> int:

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from radix.hugepages import huge_pages_mode, weight_arena
 from runtime.config import cpu_flags
 from runtime.kernels import KERNEL_DTYPES, kernel_input
-from runtime.models.hugepages import huge_pages_mode, weight_arena
 from runtime.models.layers import apply_rotary, rms_norm
 from runtime.models.packed import PackedWeight, pack_weight, unpack_weight
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from radix.allocator import PagedAllocator
+from radix.hugepages import huge_pages_mode
 from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.base import AttentionShape
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.kernels.build import load_kernels
+from tests.memory_maps import vm_flags
 
 KERNELS = load_kernels("fastcpu")
 requires_bf16_dot = pytest.mark.skipif(not KERNELS.bf16_dot(),
@@ -229,6 +231,13 @@ def test_a_decode_batch_takes_every_layers_kept_pack_as_one_list_until_its_key_c
     first, key = packs()
     kept = fast.paged.kept(key)
     assert len(first) == 3 and all(first[i] is kept[(i, kv.k(i).data_ptr())] for i in range(3))
+    # the complete list was moved onto huge pages (where the kernel has them) with the bits of a fresh pack
+    for i, pack in enumerate(first):
+        fresh = KERNELS.pack_prefix(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1), prefix,
+                                    SHAPE.num_kv_heads, SHAPE.head_dim)
+        assert all(torch.equal(a, b) for a, b in zip(pack, fresh, strict=True))
+        if huge_pages_mode() != "never":
+            assert all("hg" in vm_flags(t.data_ptr()) for t in pack)
     again, same = packs()
     assert same == key and again is first
     alloc.free(prefix[:2].sort().values)

@@ -6,26 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.models import hugepages
-from runtime.models.hugepages import ALIGN, HUGE_PAGE, HugePageArena, anonymous, huge_pages_mode
+from radix import hugepages
+from radix.hugepages import ALIGN, HUGE_PAGE, HugePageArena, anonymous, huge_pages_mode
 from runtime.models.ops import PackedCpuOps
+from tests.memory_maps import vm_flags
 
 
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+@pytest.mark.parametrize(("text", "mode"), [("always [madvise] never\n", "madvise"),
+                                           ("[always] madvise never", "always"),
                                            ("always madvise [never]", "never"), ("", "never")])
 def test_the_mode_is_the_bracketed_word(tmp_path, monkeypatch, text, mode):
     setting = tmp_path / "enabled"
