@@ -3,8 +3,9 @@
 Why: a small-batch decode step reads every weight once, so it runs at the speed
 the memory streams them. On 4 KB pages the 270 MB of SmolLM2's bf16 weights span 66k pages: each step misses the
 TLB on every one of them (a two-dimensional page walk on a VM) and the hardware prefetchers stop at every 4 KB
-boundary. On the Zen 4 development VM a two-thread torch sum over 256 MB read 35-36 GB/s on 4 KB pages and 56-60
-GB/s on 2 MB pages; the bf16 linear kernels over 30 layers' weights at one row ran 1.55x faster. Linux gives
+boundary. On the Zen 4 development VM, in the same minute, a two-thread torch sum over 256 MB read 35-36 GB/s on
+4 KB pages and 56-60 GB/s on 2 MB pages (in other minutes the two read alike), and the bf16 linear kernels over 30
+layers' weights at one row ran 1.55x faster; whole batch-1 decode steps 6-12% faster. Linux gives
 anonymous memory huge pages without being asked only in its "always" mode; in "madvise" mode (the default of many
 distributions) a mapping must ask with ``madvise(MADV_HUGEPAGE)``, which torch's allocator never does.
 

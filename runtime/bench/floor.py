@@ -38,8 +38,8 @@ def last_level_cache_bytes() -> int:
 
 def stream_bandwidth(repeats: int = 5) -> float:
     """Bytes per second of a multi-threaded streaming read (median of ``repeats``), from memory on huge pages where
-    the kernel has them, as the packed weights are (``runtime/models/hugepages.py``): on 4 KB pages the same read
-    ran 1.6x slower on the Zen 4 development VM, and a floor measured there would flatter every ratio to it."""
+    the kernel has them, as the packed weights are (``radix/hugepages.py``): on 4 KB pages the same read ran up to
+    1.6x slower on the Zen 4 development VM, and a floor measured there would flatter every ratio to it."""
     size = min(2 << 30, max(256 << 20, 4 * last_level_cache_bytes()))
     buf = anonymous(size).view(torch.float32).fill_(1.0)  # filled: every page touched before the timing
     times = []
