@@ -51,21 +51,6 @@ inline float row_scale(const KV* row, int64_t d) {
 inline float rescale(float m, float new_m) { return new_m == m ? 1.f : std::exp(m - new_m); }
 
 #ifdef __AVX512F__
-// Softmax bookkeeping of one tile for one head: the tile's raw scores s[0..n) (n <= kTile, lanes past n
-// ignored), of which the head sees the first ng; updates the running max m and sum l, overwrites s with the
-// weights (0 past ng) and returns the correction factor for the head's accumulators.
-inline float softmax_tile(float* s, int64_t ng, float& m, float& l) {
-  const __mmask16 seen = static_cast<__mmask16>((1u << ng) - 1u);
-  const __m512 sv = _mm512_loadu_ps(s);
-  const float new_m = std::max(m, _mm512_mask_reduce_max_ps(seen, sv));
-  const float correction = rescale(m, new_m);
-  m = new_m;
-  const __m512 p = _mm512_maskz_mov_ps(seen, (__m512)exp16((v16)sv - splat(new_m)));
-  _mm512_storeu_ps(s, p);
-  l = l * correction + _mm512_reduce_add_ps(p);
-  return correction;
-}
-
 // Two accumulators of pairs of positions (vdpbf16ps, vpdpwssd over value rows interleaved word by word with
 // unpacklo/hi_epi16, within 128-bit lanes) written back as dims in order: dim c*32 + k, k in 128-bit lane
 // L = k / 8 and word w = k % 8, is the unpacklo accumulator's lane 4L + w for w < 4, the unpackhi one's

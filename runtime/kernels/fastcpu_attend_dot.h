@@ -7,102 +7,7 @@
 
 namespace fastcpu::attend {
 
-#ifdef FASTCPU_BF16_DOT
-// attend_range over a bf16 pool for bf16 queries (exact in bf16), with the arithmetic in bf16 dot products
-// (vdpbf16ps: pairs of products summed in fp32) instead of widening every K and V element to fp32 first: the
-// scores over pairs of dims, the values over pairs of positions with the weights rounded to bf16, as the extend
-// kernel's. About a third fewer vector instructions per position, which is what bounds a decode step's
-// attention once its KV is in cache (30 layers, one 1k-token row: 1.04 -> 0.69 ms; 8 rows 7.1 -> 4.4 ms; read
-// from memory the kernel is bound by it and gains far less). Against float64 its mean error is 1.1-1.6x that of
-// rounding the exact result to bf16 (the fp32 path's: 1.0x); the tests bound it at 2x.
-template <int G, int NV>
-void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k_pool, const at::BFloat16* v_pool,
-                       int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1,
-                       float scale, const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
-  constexpr int NC = NV / 2;  // 32-element chunks of a head's row
-  float m[G], l[G];
-  __m512 acc_e[G][NC], acc_o[G][NC];
-  __m512bh qv[G][NC];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-    for (int c = 0; c < NC; ++c) {
-      acc_e[g][c] = _mm512_setzero_ps();
-      acc_o[g][c] = _mm512_setzero_ps();
-      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * d + c * 32 + 16), _mm512_loadu_ps(q + g * d + c * 32));
-    }
-  }
-  alignas(64) float s[G][kTile];
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t n = std::min<int64_t>(kTile, j1 - j);
-    v16 dp[G][kTile];
-    for (int64_t t = 0; t < kTile; ++t) {
-      if (t >= n) {
-        for (int g = 0; g < G; ++g) dp[g][t] = splat(0.f);
-        continue;
-      }
-      const at::BFloat16* kr = k_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      __m512bh kc[NC];
-      for (int c = 0; c < NC; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kc[0]);
-        for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kc[c]);
-        dp[g][t] = (v16)a;
-      }
-    }
-    for (int g = 0; g < G; ++g) store(&s[g][0], hsum16(dp[g]) * splat(scale));
-    __m512 corr[G];
-    bool rescaled[G];
-    for (int g = 0; g < G; ++g) {
-      const int64_t ng = std::min<int64_t>(n, hi[g] - j);
-      if (ng <= 0) {
-        std::fill(s[g], s[g] + kTile, 0.f);
-        rescaled[g] = false;
-        continue;
-      }
-      const float c = softmax_tile(s[g], ng, m[g], l[g]);
-      rescaled[g] = c != 1.f;
-      corr[g] = _mm512_set1_ps(c);
-    }
-    for (int g = 0; g < G; ++g)
-      if (rescaled[g])
-        for (int c = 0; c < NC; ++c) {
-          acc_e[g][c] = _mm512_mul_ps(acc_e[g][c], corr[g]);
-          acc_o[g][c] = _mm512_mul_ps(acc_o[g][c], corr[g]);
-        }
-    // The weighted values as bf16 dot products over pairs of positions: weights rounded to bf16 (as the
-    // extend kernel's), the two positions' value rows interleaved word by word (unpack within 128-bit lanes,
-    // so the accumulators hold the dims in a permuted order, undone at the end).
-    alignas(64) uint32_t pw[G][kTile / 2];
-    for (int g = 0; g < G; ++g)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s[g])));
-    for (int64_t t = 0; t < n; t += 2) {
-      const at::BFloat16* va = v_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
-      if (j + kPrefetch + t + 1 < j1) prefetch_row(v_pool + slots[j + kPrefetch + t + 1] * slot_stride + head_off, d);
-      for (int c = 0; c < NC; ++c) {
-        const __m512i a = _mm512_loadu_si512(va + c * 32);
-        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v_pool + slots[j + t + 1] * slot_stride + head_off + c * 32)
-                                    : _mm512_setzero_si512();
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        for (int g = 0; g < G; ++g) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][t / 2]));
-          acc_e[g][c] = _mm512_dpbf16_ps(acc_e[g][c], lo, p);
-          acc_o[g][c] = _mm512_dpbf16_ps(acc_o[g][c], hi, p);
-        }
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    m_out[g] = m[g];
-    l_out[g] = l[g];
-    for (int c = 0; c < NC; ++c) store_interleaved(acc_out + g * d + c * 32, acc_e[g][c], acc_o[g][c]);
-  }
-}
-#endif
-
-#ifdef FASTCPU_VNNI
+#if defined(FASTCPU_BF16_DOT) || defined(FASTCPU_VNNI)
 // Softmax over one range's scores, for G heads at once: s[g][0 .. n) holds head g's scaled scores of the range's
 // positions (row stride kRange); head g sees its first ng = clamp(hi[g] - j0, 0, n). Writes each head's max m[g]
 // and sum l[g] of exp(s - m), and overwrites s[g] with those weights, 0 past ng up to the next multiple of kTile.
@@ -143,7 +48,84 @@ inline void softmax_range(float (*s)[kRange], int64_t group, int64_t n, int64_t 
     l[g] = sum;
   }
 }
+#endif
 
+#ifdef FASTCPU_BF16_DOT
+// attend_range over a bf16 pool for bf16 queries (exact in bf16), with the arithmetic in bf16 dot products
+// (vdpbf16ps: pairs of products summed in fp32) instead of widening every K and V element to fp32 first: the
+// scores over pairs of dims, the values over pairs of positions with the weights rounded to bf16, as the extend
+// kernel's. About a third fewer vector instructions per position, which is what bounds a decode step's
+// attention once its KV is in cache (30 layers, one 1k-token row: 1.04 -> 0.69 ms; 8 rows 7.1 -> 4.4 ms; read
+// from memory the kernel is bound by it and gains far less). Against float64 its mean error is 1.1-1.6x that of
+// rounding the exact result to bf16 (the fp32 path's: 1.0x); the tests bound it at 2x.
+template <int G, int NV>
+void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k_pool, const at::BFloat16* v_pool,
+                       int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1,
+                       float scale, const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
+  constexpr int NC = NV / 2;  // 32-element chunks of a head's row
+  __m512bh qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c)
+      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * d + c * 32 + 16), _mm512_loadu_ps(q + g * d + c * 32));
+  // Every score of the range first, then one softmax per head over the range (softmax_range), then the values:
+  // an online softmax per 16-position tile made each head's max, exp and sum a chain of dependent reductions
+  // the core waited on, and rescaled the accumulators whenever the max moved.
+  alignas(64) float s[G][kRange];
+  for (int64_t j = j0; j < j1; j += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, j1 - j);
+    v16 dp[G][kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= n) {
+        for (int g = 0; g < G; ++g) dp[g][t] = splat(0.f);
+        continue;
+      }
+      const at::BFloat16* kr = k_pool + slots[j + t] * slot_stride + head_off;
+      if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
+      __m512bh kc[NC];
+      for (int c = 0; c < NC; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kc[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kc[c]);
+        dp[g][t] = (v16)a;
+      }
+    }
+    for (int g = 0; g < G; ++g) store(&s[g][j - j0], hsum16(dp[g]) * splat(scale));
+  }
+  softmax_range(s, G, j1 - j0, j0, hi, m_out, l_out);
+  __m512 acc_e[G][NC], acc_o[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc_e[g][c] = acc_o[g][c] = _mm512_setzero_ps();
+  for (int64_t j = j0; j < j1; j += kTile) {
+    const int64_t n = std::min<int64_t>(kTile, j1 - j);
+    // The weighted values as bf16 dot products over pairs of positions: weights rounded to bf16 (as the
+    // extend kernel's), the two positions' value rows interleaved word by word (unpack within 128-bit lanes,
+    // so the accumulators hold the dims in a permuted order, undone at the end).
+    alignas(64) uint32_t pw[G][kTile / 2];
+    for (int g = 0; g < G; ++g)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&s[g][j - j0])));
+    for (int64_t t = 0; t < n; t += 2) {
+      const at::BFloat16* va = v_pool + slots[j + t] * slot_stride + head_off;
+      if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
+      if (j + kPrefetch + t + 1 < j1) prefetch_row(v_pool + slots[j + kPrefetch + t + 1] * slot_stride + head_off, d);
+      for (int c = 0; c < NC; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + c * 32);
+        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v_pool + slots[j + t + 1] * slot_stride + head_off + c * 32)
+                                    : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi16 = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < G; ++g) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[g][t / 2]));
+          acc_e[g][c] = _mm512_dpbf16_ps(acc_e[g][c], lo, p);
+          acc_o[g][c] = _mm512_dpbf16_ps(acc_o[g][c], hi16, p);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) store_interleaved(acc_out + g * d + c * 32, acc_e[g][c], acc_o[g][c]);
+}
+#endif
+
+#ifdef FASTCPU_VNNI
 // int16 steps of max / 32767: the factor into them (0 for an all-zero max, whose values then round to 0), and 16
 // values rounded to nearest even into them (saturating, though |x| <= max never exceeds 32767).
 inline __m512 int16_steps(float max) { return _mm512_set1_ps(max > 0.f ? 32767.f / max : 0.f); }
