@@ -8,8 +8,7 @@ flipping every round: on a shared VM the memory's speed moves by tens of percent
 so only steps timed side by side compare. Each round gives a ratio (huge pages over 4 KB pages); the median ratio
 is the figure. Both runtimes keep their cascade groups' packs on huge pages (that is planning-time, not load-time).
 
-It also times the streaming probe on both kinds of pages (``floor.stream_bandwidth`` reads huge pages; a torch
-buffer of the same size is on 4 KB pages), alternated the same way.
+It also times the streaming probe on both kinds of pages (``floor.stream_bandwidth``), alternated the same way.
 
     python benchmarks/bench_huge_pages.py [--batch 1] [--rounds 12] [--steps 16] [--server-args '--quantization int8']
         [--json out.json]
@@ -23,7 +22,6 @@ import statistics
 import time
 from typing import Any
 
-import torch
 from engine_steps import cpu_simd, emit
 
 import radix.hugepages
@@ -65,18 +63,6 @@ def start(sched: Scheduler, tokenizer: Any, batch: int, tag: str) -> None:
         sched.step()
 
 
-def probe_4k(size: int = 256 << 20, repeats: int = 5) -> float:
-    """The streaming probe's read over a torch buffer (4 KB pages), bytes per second."""
-    buf = torch.ones(size // 4)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.nbytes / statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1, help="Requests decoding together.")
@@ -102,7 +88,7 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
             steps[name].append(1e3 * statistics.median(times))
         if r % 4 == 0:
-            probes["4 KB pages"].append(probe_4k() / 1e9)
+            probes["4 KB pages"].append(stream_bandwidth(huge_pages=False) / 1e9)
             probes["huge pages"].append(stream_bandwidth() / 1e9)
     ratios = [h / k for k, h in zip(steps["4 KB pages"], steps["huge pages"])]
     emit({"cpu": cpu_simd(), "batch": a.batch, "server_args": a.server_args, "rounds": a.rounds, "steps": a.steps,

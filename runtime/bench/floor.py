@@ -36,12 +36,14 @@ def last_level_cache_bytes() -> int:
     return 64 << 20
 
 
-def stream_bandwidth(repeats: int = 5) -> float:
+def stream_bandwidth(repeats: int = 5, huge_pages: bool = True) -> float:
     """Bytes per second of a multi-threaded streaming read (median of ``repeats``), from memory on huge pages where
     the kernel has them, as the packed weights are (``radix/hugepages.py``): on 4 KB pages the same read ran up to
-    1.6x slower on the Zen 4 development VM, and a floor measured there would flatter every ratio to it."""
+    1.6x slower on the Zen 4 development VM, and a floor measured there would flatter every ratio to it.
+    ``huge_pages=False`` reads a torch buffer (4 KB pages) instead, for comparison."""
     size = min(2 << 30, max(256 << 20, 4 * last_level_cache_bytes()))
-    buf = anonymous(size).view(torch.float32).fill_(1.0)  # filled: every page touched before the timing
+    memory = anonymous(size) if huge_pages else torch.empty(size, dtype=torch.uint8)
+    buf = memory.view(torch.float32).fill_(1.0)  # filled: every page touched before the timing
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -48,6 +48,12 @@ inline void softmax_range(float (*s)[kRange], int64_t group, int64_t n, int64_t 
     l[g] = sum;
   }
 }
+// The even- and odd-position accumulators of a range's value sums, all zero.
+template <int G, int NC>
+inline void zero_accumulators(__m512 (&even)[G][NC], __m512 (&odd)[G][NC]) {
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) even[g][c] = odd[g][c] = _mm512_setzero_ps();
+}
 #endif
 
 #ifdef FASTCPU_BF16_DOT
@@ -99,8 +105,7 @@ void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k
   }
   softmax_range(s, G, j1 - j0, j0, hi, m_out, l_out);
   __m512 acc_e[G][NC], acc_o[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc_e[g][c] = acc_o[g][c] = _mm512_setzero_ps();
+  zero_accumulators(acc_e, acc_o);
   for (int64_t j = j0; j < j1; j += kTile) {
     const int64_t n = std::min<int64_t>(kTile, j1 - j);
     // The weighted values as bf16 dot products over pairs of positions: weights rounded to bf16 (as the
@@ -207,8 +212,7 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
   }
   softmax_range(s, G, j1 - j0, j0, hi, m_out, l_out);
   __m512 acc_e[G][NC], acc_o[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc_e[g][c] = acc_o[g][c] = _mm512_setzero_ps();
+  zero_accumulators(acc_e, acc_o);
   for (int64_t j = j0; j < j1; j += kTile) {
     const int64_t n = std::min<int64_t>(kTile, j1 - j);
     // Each head's weights on the tile's int8 values: probability times the V row's scale, as int16 over the
