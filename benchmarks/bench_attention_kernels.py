@@ -29,13 +29,15 @@ HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 SCALE = DIM ** -0.5
 
 
-def pools(slots: int, g: torch.Generator, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V pools, bf16 or (``int8``) in the int8 KV format (radix/kv_int8.py)."""
+def pools(slots: int, g: torch.Generator, fmt: str = "bfloat16") -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V pools in ``fmt``: "bfloat16", "float32" (an fp32 model's) or "int8" (the int8 KV format,
+    radix/kv_int8.py)."""
     k = torch.randn(slots, KV_HEADS, DIM, generator=g) * 0.5
     v = torch.randn(slots, KV_HEADS, DIM, generator=g)
-    if int8:
+    if fmt == "int8":
         return quantize(k).view(slots, -1), quantize(v).view(slots, -1)
-    return k.view(slots, -1).bfloat16(), v.view(slots, -1).bfloat16()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[fmt]
+    return k.view(slots, -1).to(dtype), v.view(slots, -1).to(dtype)
 
 
 def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float]:
@@ -52,14 +54,15 @@ def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float
 
 
 def decode_step(batch: int, context: int, layers: int, g: torch.Generator,
-                int8: bool = False) -> Callable[[Any], None]:
-    """A decode step's attention over ``layers`` layers' own pools (``int8``: in the int8 KV format): ``batch`` rows
+                fmt: str = "bfloat16") -> Callable[[Any], None]:
+    """A decode step's attention over ``layers`` layers' own pools in ``fmt`` (see :func:`pools`): ``batch`` rows
     of ``context`` positions, run by the kernel module it is given (bench_kernel_ab.py hands it two builds in
-    turn)."""
-    layer_pools = [pools(batch * context + 64, g, int8) for _ in range(layers)]
+    turn). Queries are fp32 over an fp32 pool, bf16 otherwise (a bf16 model's)."""
+    layer_pools = [pools(batch * context + 64, g, fmt) for _ in range(layers)]
     index = torch.arange(batch * context).view(batch, context)
     lengths = torch.full((batch,), context)
-    q = torch.randn(batch, HEADS, DIM, generator=g).bfloat16()
+    q = torch.randn(batch, HEADS, DIM, generator=g)
+    q = q if fmt == "float32" else q.bfloat16()
 
     def step(k: Any) -> None:
         for kp, vp in layer_pools:

@@ -10,7 +10,8 @@ reported as such and skipped.
 Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 pool and queries):
 
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
-  layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format);
+  layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format) and over fp32
+  pools with fp32 queries (an fp32 model's: the portable kernel);
 - a cascade group's shared part: 1, 4, 8 and 16 decode rows against a kept 1,050-key pack, 30 layers;
 - prefill chunks through the same kernel (packed per call): a ~20-token question after a 1,050-token block, 170
   tokens after it, a cold 1,024-token chunk;
@@ -65,8 +66,8 @@ def kernels_at(rev: str, folder: Path) -> ModuleType:
     return build_kernels("fastcpu", folder)
 
 
-def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, int8: bool = False) -> Case:
-    step = decode_step(batch, CONTEXT, layers, g, int8)
+def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, fmt: str = "bfloat16") -> Case:
+    step = decode_step(batch, CONTEXT, layers, g, fmt)
 
     def run(k: ModuleType) -> None:
         for _ in range(repeats):
@@ -193,9 +194,13 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         "decode attention, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g),
         "decode attention, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g),
         "decode attention, batch 1, one layer x30 in cache": decode_case(1, 1, LAYERS, g),
-        "decode attention over an int8 pool, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g, True),
-        "decode attention over an int8 pool, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g, True),
-        "decode attention over an int8 pool, batch 8, one layer x30 in cache": decode_case(8, 1, LAYERS, g, True),
+        "decode attention over an int8 pool, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g, "int8"),
+        "decode attention over an int8 pool, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g, "int8"),
+        "decode attention over an int8 pool, batch 8, one layer x30 in cache": decode_case(8, 1, LAYERS, g, "int8"),
+        "decode attention over a float32 pool, batch 1, 30 layers from memory": decode_case(1, LAYERS, 1, g, "float32"),
+        "decode attention over a float32 pool, batch 8, 30 layers from memory": decode_case(8, LAYERS, 1, g, "float32"),
+        "decode attention over a float32 pool, batch 1, one layer x30 in cache":
+            decode_case(1, 1, LAYERS, g, "float32"),
     }
     for rows in (8, 160):  # 160: 7 few-shot questions prefilled after their shared block
         out[f"cascade merge, {rows} rows, 30 layers"] = merge_case(rows, g)

@@ -32,6 +32,8 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
                   const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
   const int64_t group = G > 0 ? G : group_arg;
   const int64_t nv = NV > 0 ? NV : d / 16;
+  // the first KV head asks for each slot's whole row, the others for their own part (see attend_range_bf16)
+  const int64_t pf_len = head_off != 0 ? d : std::is_same_v<KV, int8_t> ? slot_stride - 4 : slot_stride;
   float m[kMaxGroup], l[kMaxGroup];
   v16 acc[kMaxGroup][kMaxDim / 16];
   v16 qv[kMaxGroup][kMaxDim / 16];
@@ -56,7 +58,7 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
         continue;
       }
       const KV* kr = k_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
+      if (j + kPrefetch + t < j1) prefetch_row(k_pool + slots[j + kPrefetch + t] * slot_stride + head_off, pf_len);
       if constexpr (kInt8) k_scale[t] = row_scale(kr, d);
       v16 kc[kMaxDim / 16];
       for (int64_t c = 0; c < nv; ++c) kc[c] = load(kr + c * 16);
@@ -96,7 +98,7 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
     }
     for (int64_t t = 0; t < n; ++t) {
       const KV* vr = v_pool + slots[j + t] * slot_stride + head_off;
-      if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, d);
+      if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, pf_len);
       if constexpr (kInt8) {
         const float v_scale = row_scale(vr, d);
         for (int64_t c = 0; c < nv; ++c) {
