@@ -69,12 +69,7 @@ void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k
                        int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1,
                        float scale, const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
   constexpr int NC = NV / 2;  // 32-element chunks of a head's row
-  // The first KV head's pass asks for each slot's whole row (every head's K or V, side by side in the pool), the
-  // later heads' for their own part again (by then in L2): from memory, the first pass was the only one waiting,
-  // and it had fetched a third of what the item reads. 30 layers from memory, 8 rows of 1k positions: 0.77x the
-  // time; one row 0.90-0.97x; one layer's rows already in cache 1.07x (three times the prefetches of the first
-  // pass).
-  const int64_t pf_len = head_off == 0 ? slot_stride : d;
+  const int64_t pf_len = prefetch_length<at::BFloat16>(head_off, slot_stride, d);
   __m512bh qv[G][NC];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c)
@@ -113,7 +108,8 @@ void attend_range_bf16(const float* q, int64_t, int64_t d, const at::BFloat16* k
     // so the accumulators hold the dims in a permuted order, undone at the end).
     alignas(64) uint32_t pw[G][kTile / 2];
     for (int g = 0; g < G; ++g)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&s[g][j - j0])));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&s[g][j - j0])));
     for (int64_t t = 0; t < n; t += 2) {
       const at::BFloat16* va = v_pool + slots[j + t] * slot_stride + head_off;
       if (j + kPrefetch + t < j1) prefetch_row(v_pool + slots[j + kPrefetch + t] * slot_stride + head_off, pf_len);
@@ -178,9 +174,7 @@ void attend_range_i8(const float* q, int64_t, int64_t d, const int8_t* k_pool, c
                      int64_t slot_stride, int64_t head_off, const int64_t* slots, int64_t j0, int64_t j1, float scale,
                      const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
   constexpr int NC = NV / 2;  // 32-value chunks of a head's row
-  // the first KV head asks for each slot's whole row (d + 4 bytes per head; see attend_range_bf16): batch 8 from
-  // memory 0.96x the time
-  const int64_t pf_len = head_off == 0 ? slot_stride - 4 : d;
+  const int64_t pf_len = prefetch_length<int8_t>(head_off, slot_stride, d);
   float q_scale[G];
   __m512i qv[G][NC];
   for (int g = 0; g < G; ++g) q_scale[g] = quantize_query<NC>(q + g * d, qv[g]) * scale;

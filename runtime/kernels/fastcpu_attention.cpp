@@ -32,8 +32,7 @@ void attend_range(const float* q, int64_t group_arg, int64_t d, const KV* k_pool
                   const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
   const int64_t group = G > 0 ? G : group_arg;
   const int64_t nv = NV > 0 ? NV : d / 16;
-  // the first KV head asks for each slot's whole row, the others for their own part (see attend_range_bf16)
-  const int64_t pf_len = head_off != 0 ? d : std::is_same_v<KV, int8_t> ? slot_stride - 4 : slot_stride;
+  const int64_t pf_len = prefetch_length<KV>(head_off, slot_stride, d);
   float m[kMaxGroup], l[kMaxGroup];
   v16 acc[kMaxGroup][kMaxDim / 16];
   v16 qv[kMaxGroup][kMaxDim / 16];
