@@ -209,7 +209,7 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
             out[f"shared part, {rows} row(s) x 1,050 kept keys, 30 layers"] = shared_case(k_this, g, rows)
         for tokens, prefix in ((20, 1050), (170, 1050), (1024, 0)):  # a question alone, 7 of them, a cold chunk
             out[f"prefill chunk, {tokens} tokens over {prefix} cached, 30 layers"] = chunk_case(tokens, prefix, g)
-        for rows in (1, 8):
+        for rows in (1, 2, 4, 8, 16):
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
     if k_this.int8_vnni():
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound

@@ -126,8 +126,12 @@ SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
 # rows, 0.84x at 64, 0.95x at 96, 1.00-1.02x at 160-256; 1.04-1.08x at 512-1024), and oneDNN compiles a kernel for
 # each new row count the first time it sees it (+1.8 ms per weight shape at ~160 rows): the questions of a
 # few-shot batch, prefilled together, come in a new row count almost every step.
-# With AMX the limit above stands (oneDNN's tile kernels; not re-measured against linear_bf16).
 BF16_DOT_SMALL_M = 256
+# bf16 on a CPU with AMX, where linear_bf16 runs batches of 2+ rows on the tiles (bf16_amx()): against oneDNN's AMX
+# GEMMs, all of SmolLM2's linear layers in sequence, weights from memory (an Emerald Rapids host, 2 threads):
+# 0.45-0.59x oneDNN's time at 1-32 rows, 0.75x at 64, 0.98x at 128, 1.04x at 175, 1.12x at 256, 1.66x at 512.
+# Without the tile kernel (a compiler or kernel that does not offer AMX), oneDNN wins from 4 rows (SMALL_M).
+BF16_AMX_SMALL_M = 128
 # Activation block of linear_int8: one int8 scale per 32 k values of a row (a multiple of 16; 0 = one per row).
 # `radixserve bench quality` on SmolLM2-135M (perplexity vs fp32 / greedy tokens agreeing): one scale per row
 # +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
@@ -165,7 +169,9 @@ class PackedCpuOps(TorchOps):
                              "vnni needs a CPU with AVX512-VNNI)")
         self.vnni = weight_format == "int8" and int8_kernel == "vnni"
         self.bf16_dot = weight_format == "bfloat16" and self.k.bf16_dot()
-        if self.bf16_dot and "amx_bf16" not in cpu_flags():
+        if self.bf16_dot and self.k.bf16_amx():
+            self.small_m = BF16_AMX_SMALL_M
+        elif self.bf16_dot and "amx_bf16" not in cpu_flags():
             self.small_m = BF16_DOT_SMALL_M
         self.act_block = act_block
         self.packed: dict[int, PackedWeight] = {}

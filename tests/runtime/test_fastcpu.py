@@ -248,9 +248,10 @@ requires_bf16_dot = pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(),
 @requires_bf16_dot
 @pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (5, 3), (1537, 130)])
 def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
-    """Every row count 1..33 (row blocks of 1..6, several blocks), odd K (a padded last pair) and N (a partial
-    panel), with and without bias and residual: the kernel multiplies the activations rounded to bf16 by the
-    bf16 weights, summing in fp32, so it equals the float64 product of those operands up to fp32 rounding."""
+    """Every row count 1..33 (row blocks of 1..6, several blocks; on AMX, with K a multiple of 32, tiles of up
+    to 16 rows and a zero-padded last block), odd K (a padded last pair) and N (a partial panel), with and without
+    bias and residual: the kernel multiplies the activations rounded to bf16 by the bf16 weights, summing in fp32,
+    so it equals the float64 product of those operands up to fp32 rounding."""
     g = torch.Generator().manual_seed(kdim * n)
     w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
     pw = pack_weight(w, "bfloat16", "bf16pair")
@@ -268,6 +269,12 @@ def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
         expected = res.double() + ref
         k.linear_bf16(x, pw.data, n, None, res)
         assert ((res.double() - expected).abs() <= 2e-6 * size + 1e-6).all(), m
+
+
+def test_the_tile_kernel_runs_where_the_cpu_has_amx(k):
+    """linear_bf16 takes batches onto the AMX tiles exactly where the CPU has AMX-BF16 (the build targets the host's
+    CPU, and Linux grants the tiles' state); the equality test above then checks its products from 2 rows on."""
+    assert k.bf16_amx() == (k.bf16_dot() and "amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags())
 
 
 @requires_bf16_dot
@@ -314,17 +321,20 @@ def test_an_int8_groups_prefix_over_the_pack_budget_is_dequantised_per_call(monk
 
 
 def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
-    """bf16 weights are packed for linear_bf16 where the kernels have it (and then serve decode batches up to
-    BF16_DOT_SMALL_M rows without AMX), else k-major for the widening kernel; both give the bf16 product."""
-    from runtime.models.ops import BF16_DOT_SMALL_M, SMALL_M
+    """bf16 weights are packed for linear_bf16 where the kernels have it (and then serve batches up to
+    BF16_DOT_SMALL_M rows without AMX, BF16_AMX_SMALL_M on its tiles), else k-major for the widening kernel; both
+    give the bf16 product."""
+    from runtime.models.ops import BF16_AMX_SMALL_M, BF16_DOT_SMALL_M, SMALL_M
 
     model = TinyModel()
     ops = PackedCpuOps("bfloat16")
     ops.prepare(model)
-    dot = load_kernels("fastcpu").bf16_dot()
+    kernels = load_kernels("fastcpu")
+    dot, tiles = kernels.bf16_dot(), kernels.bf16_amx()
     assert ops.packed[id(model.layer)].layout == ("bf16pair" if dot else "kmajor")
     amx = "amx_bf16" in cpu_flags()
-    assert ops.small_m == (BF16_DOT_SMALL_M if dot and not amx else SMALL_M["bfloat16"])
+    assert ops.small_m == (BF16_AMX_SMALL_M if tiles else BF16_DOT_SMALL_M if dot and not amx
+                           else SMALL_M["bfloat16"])
     x = torch.randn(ops.small_m, 32).bfloat16().float()
     w = model.layer.detach().bfloat16().float()
     torch.testing.assert_close(ops.linear(x, model.layer, None), F.linear(x, w), rtol=1e-4, atol=1e-4)
