@@ -410,6 +410,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_attention", &merge_attention,
         "a cascade group's own-KV attention (out, lse) merged in place with its shared prefix's");
   m.def("bf16_dot", &bf16_dot, "whether linear_bf16 was built (the CPU has AVX512_BF16)");
-  m.def("bf16_amx", &bf16_amx, "whether linear_bf16 runs batches on AMX tiles (the CPU has AMX-BF16)");
+  m.def("amx_tiles", &amx_tiles, "whether linear_bf16 and linear_int8 run batches on AMX tiles (the CPU has AMX)");
   bind_decoder(m);
 }

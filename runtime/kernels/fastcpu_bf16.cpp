@@ -16,19 +16,11 @@
 //
 // Built only where the compiler targets AVX512_BF16 (-march=native on such a host); bf16_dot() tells.
 //
-// On CPUs with AMX (amx_bf16), batches of kAmxMinRows rows or more run on the tile unit instead: one TDPBF16PS
-// multiplies up to 16 rows by a 32 x 16 block of the weight (512 bf16 pairs per instruction, against 16 for
-// vdpbf16ps), so the rows cost almost nothing next to reading the panel and a batch of 8 streams the weights as
-// fast as a single row does. The layout needs no change: 16 consecutive k pairs of a 16-column slice of a panel
-// are a B tile (16 rows of 64 bytes, 256 bytes apart), and the activation pairs are an A tile. bf16_amx() tells.
+// On CPUs with AMX (fastcpu_amx.h), batches of kAmxMinRows rows or more run on the tiles instead, with K a multiple
+// of 32: 16 k pairs of a 16-column slice of a panel are a B tile, the activation pairs an A tile.
 
+#include "fastcpu_amx.h"
 #include "fastcpu_vec.h"
-
-#if defined(FASTCPU_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define FASTCPU_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -125,54 +117,25 @@ constexpr int64_t kTilePairs = 16;  // k pairs per tile step (32 k values, 64 by
 constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kAmxPrefetchBytes = 8192;  // two tile steps of a panel ahead
 
-// ldtilecfg's 64-byte operand (palette 1): bytes per row and rows of each of the 16 tile registers.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux gives a process the tiles' register state (8 KB per thread in every context switch) only on request.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 // Tiles 0-3: the products of `rows` rows x the panel's 4 slices of 16 columns (fp32); 4: the rows' activation
 // pairs; 5, 6: weight slices, loaded in turn.
-TileConfig amx_config(int rows) {
-  TileConfig c;
-  for (int t = 0; t < 5; ++t) {
-    c.rows[t] = static_cast<uint8_t>(rows);
-    c.colsb[t] = 64;
-  }
-  for (int t = 5; t < 7; ++t) {
-    c.rows[t] = kTilePairs;
-    c.colsb[t] = 64;
-  }
-  return c;
+fastcpu::TileConfig amx_config(int rows) {
+  fastcpu::TileConfig c;
+  for (int t = 0; t < 5; ++t) c.tile(t, rows, 64);
+  return c.tile(5, kTilePairs, 64).tile(6, kTilePairs, 64);
 }
-
-// Rows per tile block for m rows, and the rows the activations are padded to (whole blocks).
-int64_t amx_block_rows(int64_t m) { return std::min<int64_t>(16, m); }
-int64_t amx_padded_rows(int64_t m) { return m <= 16 ? m : (m + 15) / 16 * 16; }
 
 // Rows in blocks of up to 16 (the activations zero-padded to whole blocks, so every block is a full tile and its
 // padding rows are computed and dropped); each block takes the panel's 64 columns, k in steps of 16 pairs.
-// Needs pairs % 16 == 0 and xp holding amx_padded_rows(m) rows.
+// Needs pairs % 16 == 0 and xp holding fastcpu::amx_padded_rows(m) rows.
 void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_t* packed, const float* bias,
                      const fastcpu::ProductDest& dest, int64_t n) {
-  const int rows = static_cast<int>(amx_block_rows(m));
+  const int rows = static_cast<int>(fastcpu::amx_block_rows(m));
   const int64_t blocks = (m + rows - 1) / rows;
-  const TileConfig config = amx_config(rows);
+  const fastcpu::TileConfig config = amx_config(rows);
   const int64_t panels = (n + kPanel - 1) / kPanel, lda = pairs * 4, ldb = kPairElems * 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    _tile_loadconfig(&config);
+    const fastcpu::TileScope tiles(config);
     alignas(64) float c[16 * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = packed + p * pairs * kPairElems;
@@ -214,7 +177,6 @@ void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_
         }
       }
     }
-    _tile_release();
   });
 }
 
@@ -224,9 +186,9 @@ void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_
 
 }  // namespace
 
-bool bf16_amx() {
+bool amx_tiles() {
 #ifdef FASTCPU_AMX
-  return amx_permitted();
+  return fastcpu::amx_permitted();
 #else
   return false;
 #endif
@@ -254,8 +216,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   fastcpu::LinearOutput y(out, x, m, n);
   if (m > 0) {
 #ifdef FASTCPU_AMX
-    if (m >= kAmxMinRows && pairs % kTilePairs == 0 && amx_permitted()) {
-      const std::vector<uint32_t> xp = pair_rows(x, m, k, amx_padded_rows(m));
+    if (m >= kAmxMinRows && pairs % kTilePairs == 0 && fastcpu::amx_permitted()) {
+      const std::vector<uint32_t> xp = pair_rows(x, m, k, fastcpu::amx_padded_rows(m));
       linear_bf16_amx(xp.data(), m, pairs, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bp,
                       y.dest(), n);
       return y.finish();

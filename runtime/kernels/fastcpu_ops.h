@@ -34,7 +34,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torc
 
 // fastcpu_bf16.cpp
 bool bf16_dot();
-bool bf16_amx();
+bool amx_tiles();
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> out);
 

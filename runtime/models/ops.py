@@ -127,7 +127,7 @@ SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
 # each new row count the first time it sees it (+1.8 ms per weight shape at ~160 rows): the questions of a
 # few-shot batch, prefilled together, come in a new row count almost every step.
 BF16_DOT_SMALL_M = 256
-# bf16 on a CPU with AMX, where linear_bf16 runs batches of 2+ rows on the tiles (bf16_amx()): against oneDNN's AMX
+# bf16 on a CPU with AMX, where linear_bf16 runs batches of 2+ rows on the tiles (amx_tiles()): against oneDNN's AMX
 # GEMMs, all of SmolLM2's linear layers in sequence, weights from memory (an Emerald Rapids host, 2 threads):
 # 0.45-0.59x oneDNN's time at 1-32 rows, 0.75x at 64, 0.98x at 128, 1.04x at 175, 1.12x at 256, 1.66x at 512.
 # Without the tile kernel (a compiler or kernel that does not offer AMX), oneDNN wins from 4 rows (SMALL_M).
@@ -169,7 +169,7 @@ class PackedCpuOps(TorchOps):
                              "vnni needs a CPU with AVX512-VNNI)")
         self.vnni = weight_format == "int8" and int8_kernel == "vnni"
         self.bf16_dot = weight_format == "bfloat16" and self.k.bf16_dot()
-        if self.bf16_dot and self.k.bf16_amx():
+        if self.bf16_dot and self.k.amx_tiles():
             self.small_m = BF16_AMX_SMALL_M
         elif self.bf16_dot and "amx_bf16" not in cpu_flags():
             self.small_m = BF16_DOT_SMALL_M

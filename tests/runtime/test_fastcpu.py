@@ -241,6 +241,29 @@ def test_vnni_linear_equals_the_quantised_product(k, kdim, n, block):
         assert ((res.double() - expected).abs() <= 1e-5 * scale + 1e-5).all(), m
 
 
+@requires_vnni
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_int8_rows_in_a_batch_are_the_bits_of_each_row_alone(k, block):
+    """A row's product does not depend on the rows beside it: its bits alone (one row: the vector kernel) are its
+    bits in batches of 2..40 (vector tiles of up to 6 rows, or from 16 rows where the CPU has AMX, tiles of 16 rows
+    with a zero-padded last block), with bias and into a bf16 residual: every path sums each block exactly in int32
+    and folds the blocks into fp32 in the same order."""
+    g = torch.Generator().manual_seed(block)
+    for kdim, n in ((576, 960), (1536, 576)):
+        pw = pack_weight(torch.randn(n, kdim, generator=g), "int8", "vnni")
+        b = torch.randn(n, generator=g)
+        x = (torch.randn(40, kdim, generator=g) * torch.linspace(0.05, 4.0, kdim)).bfloat16()
+        alone = torch.cat([k.linear_int8(x[i:i + 1], pw.data, n, pw.scale, b, None, block) for i in range(40)])
+        res = torch.randn(40, n, generator=g).bfloat16()
+        res_alone = torch.cat([k.linear_int8(x[i:i + 1], pw.data, n, pw.scale, None, res[i:i + 1].clone(), block)
+                               for i in range(40)])
+        for m in (2, 7, 8, 16, 17, 33, 40):
+            assert torch.equal(k.linear_int8(x[:m], pw.data, n, pw.scale, b, None, block), alone[:m]), (kdim, m)
+            into = res[:m].clone()
+            k.linear_int8(x[:m], pw.data, n, pw.scale, None, into, block)
+            assert torch.equal(into, res_alone[:m]), (kdim, m)
+
+
 requires_bf16_dot = pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(),
                                        reason="linear_bf16 is built only for CPUs with AVX512_BF16")
 
@@ -271,10 +294,11 @@ def test_bf16_dot_linear_equals_the_product_of_the_bf16_operands(k, kdim, n):
         assert ((res.double() - expected).abs() <= 2e-6 * size + 1e-6).all(), m
 
 
-def test_the_tile_kernel_runs_where_the_cpu_has_amx(k):
-    """linear_bf16 takes batches onto the AMX tiles exactly where the CPU has AMX-BF16 (the build targets the host's
-    CPU, and Linux grants the tiles' state); the equality test above then checks its products from 2 rows on."""
-    assert k.bf16_amx() == (k.bf16_dot() and "amx_bf16" in cpu_flags() and "amx_tile" in cpu_flags())
+def test_the_tile_kernels_run_where_the_cpu_has_amx(k):
+    """linear_bf16 and linear_int8 take batches onto the AMX tiles exactly where the CPU has them (the build
+    targets the host's CPU, and Linux grants the tiles' state); the equality tests of both kernels then check
+    their products from 2 rows on."""
+    assert k.amx_tiles() == bool({"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags())
 
 
 @requires_bf16_dot
@@ -330,7 +354,7 @@ def test_bf16_ops_pick_the_dot_product_kernel_where_it_was_built():
     ops = PackedCpuOps("bfloat16")
     ops.prepare(model)
     kernels = load_kernels("fastcpu")
-    dot, tiles = kernels.bf16_dot(), kernels.bf16_amx()
+    dot, tiles = kernels.bf16_dot(), kernels.amx_tiles()
     assert ops.packed[id(model.layer)].layout == ("bf16pair" if dot else "kmajor")
     amx = "amx_bf16" in cpu_flags()
     assert ops.small_m == (BF16_AMX_SMALL_M if tiles else BF16_DOT_SMALL_M if dot and not amx

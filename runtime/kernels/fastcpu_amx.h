@@ -1,0 +1,61 @@
+// What the linear kernels need to run on AMX tiles (CPUs with amx_tile, amx_bf16 and amx_int8, where the compiler
+// targets them: -march=native on such a host): the tile configuration and the process's permission to use them.
+//
+// Why tiles: one TDPBF16PS / TDPBSUD multiplies up to 16 rows by a 32 x 16 bf16 (or 64 x 16 int8) block of a
+// weight, 16-32x the work of one AVX-512 dot product, so a batch of rows costs little more than one row: the
+// weights are read as fast as at one row, and a prefill chunk's products stop being compute-bound. The packed
+// layouts need no change: 16 consecutive k pairs (bf16) or 4-k groups (int8) of a 16-column slice of a panel are
+// a B tile, rows of 64 bytes at the panel's stride.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define FASTCPU_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace fastcpu {
+
+// ldtilecfg's 64-byte operand (palette 1): bytes per row and rows of each of the 16 tile registers.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  TileConfig& tile(int t, int rows_, int bytes) {
+    rows[t] = static_cast<uint8_t>(rows_);
+    colsb[t] = static_cast<uint16_t>(bytes);
+    return *this;
+  }
+};
+
+// Linux gives a process the tiles' register state (8 KB more per thread in every context switch) only on request.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Rows per tile block for m activation rows (up to 16; all of them when they fit one block), and the rows the
+// activations are zero-padded to so that every block is a whole tile (its padding rows computed and dropped).
+inline int64_t amx_block_rows(int64_t m) { return m < 16 ? m : 16; }
+inline int64_t amx_padded_rows(int64_t m) { return m <= 16 ? m : (m + 15) / 16 * 16; }
+
+// A thread's tiles configured for the duration of a scope, released (their state back to init) at its end.
+class TileScope {
+ public:
+  explicit TileScope(const TileConfig& config) { _tile_loadconfig(&config); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+}  // namespace fastcpu
+#endif
