@@ -14,11 +14,17 @@
 // as torch's CPU flash attention does for bf16 inputs. Token t sees slots kv_index[0 .. lengths[t] - 1].
 //
 // Built only where FASTCPU_BF16_DOT is set (fastcpu_vec.h); bf16_dot() tells (the callers check it).
+//
+// On CPUs with AMX (fastcpu_amx.h) both GEMMs run on the tiles, over the same packs: 16 dim pairs of a key tile
+// are a B tile of the scores (rows of 64 bytes, contiguous), 16 key pairs x 16 dims of the values one of the
+// value sum; the queries (row-major) and the probabilities are the A tiles. The softmax between them is the same.
 
+#include "fastcpu_amx.h"
 #include "fastcpu_fetch.h"
 #include "fastcpu_vec.h"
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -258,6 +264,94 @@ void value_block(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint1
   for (; r < rows; ++r) value_rows<1, NV>(pp + r * ldp, ldp, key_pairs, vp, out + r * ldo, ldo, fetch);
 }
 
+#ifdef FASTCPU_AMX
+
+// Tiles 0-3: fp32 results of a block's rows (4 key tiles' scores, or 4 slices of 16 dims of the value sum); 4: the
+// rows' queries (16 dim pairs) or probabilities (16 key pairs); 6, 7: key or value tiles, loaded in turn.
+fastcpu::TileConfig attention_tiles(int rows) {
+  fastcpu::TileConfig c;
+  for (int t = 0; t < 5; ++t) c.tile(t, rows, 64);
+  return c.tile(6, 16, 64).tile(7, 16, 64);
+}
+
+// Scores of the block's rows (queries row-major: qrow [rows][pairs], pairs a multiple of 16) against key tiles
+// [0, tiles), scaled, into sc. A kept pack comes from memory: the next 4 key tiles are asked for while these run.
+void score_rows_amx(const uint32_t* qrow, int64_t pairs, int64_t rows, const uint16_t* kp, int64_t tiles, float scale,
+                    float* sc, int64_t ldsc, bool kept, FetchCursor& fetch) {
+  const int64_t tile_elems = pairs * kKeys * 2;  // one key tile of the pack
+  for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+    const int64_t nt = std::min<int64_t>(4, tiles - t0);
+    const uint16_t* kt = kp + t0 * tile_elems;
+    if (kept) {
+      const char* next = reinterpret_cast<const char*>(kt + 4 * tile_elems);
+      for (int64_t line = 0; line < 4 * tile_elems * 2 / 64; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t i0 = 0; i0 < pairs; i0 += 16) {
+      for (int tick = 0; tick < 16; ++tick) fetch.tick();
+      const uint16_t* k = kt + i0 * kKeys * 2;
+      _tile_loadd(4, qrow + i0, pairs * 4);
+      _tile_loadd(6, k, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nt > 1) {
+        _tile_loadd(7, k + tile_elems, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (nt > 2) {
+        _tile_loadd(6, k + 2 * tile_elems, 64);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (nt > 3) {
+        _tile_loadd(7, k + 3 * tile_elems, 64);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+    float* out = sc + t0 * kKeys;
+    _tile_stored(0, out, ldsc * 4);
+    if (nt > 1) _tile_stored(1, out + 16, ldsc * 4);
+    if (nt > 2) _tile_stored(2, out + 32, ldsc * 4);
+    if (nt > 3) _tile_stored(3, out + 48, ldsc * 4);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < tiles * kKeys; j += 16)
+      _mm512_storeu_ps(sc + r * ldsc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + r * ldsc + j), sv));
+}
+
+// out[r][:] = sum over key pairs [0, key_pairs) (a multiple of 16) of probabilities x values, on the tiles.
+void value_rows_amx(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const uint16_t* vp, int64_t d, float* out,
+                    int64_t ldo, FetchCursor& fetch) {
+  const int64_t ldv = d * 4;  // bytes from one key pair's values to the next's
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t jp0 = 0; jp0 < key_pairs; jp0 += 16) {
+      for (int tick = 0; tick < 16; ++tick) fetch.tick();
+      const uint16_t* v = vp + (jp0 * d + c0) * 2;
+      _tile_loadd(4, pp + jp0, ldp * 4);
+      _tile_loadd(6, v, ldv);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, v + 32, ldv);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, v + 64, ldv);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, v + 96, ldv);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, out + c0, ldo * 4);
+    _tile_stored(1, out + c0 + 16, ldo * 4);
+    _tile_stored(2, out + c0 + 32, ldo * 4);
+    _tile_stored(3, out + c0 + 48, ldo * 4);
+  }
+}
+
+#endif  // FASTCPU_AMX
+
 #endif  // FASTCPU_BF16_DOT
 
 }  // namespace
@@ -348,8 +442,18 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     for (int64_t r = r0; r < r0 + nrows; ++r) keys = std::max(keys, lens[r / group]);
     return nrows * keys;
   };
+#ifdef FASTCPU_AMX
+  const bool on_tiles = fastcpu::amx_permitted();
+  const fastcpu::TileConfig tile_config = attention_tiles(static_cast<int>(brows));
+#else
+  const bool on_tiles = false;
+#endif
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
     FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
+#ifdef FASTCPU_AMX
+    std::optional<fastcpu::TileScope> tiles;
+    if (on_tiles) tiles.emplace(tile_config);
+#endif
     // Scratch left uninitialised (new[], not std::vector's zero fill: 80 KB a thread per call at a decode group's
     // 12-row blocks): each pass writes what the next one reads, the queries' padding rows are zeroed below.
     std::unique_ptr<uint32_t[]> qp_buf(new uint32_t[brows * pairs]), pp_buf(new uint32_t[brows * padded / 2]);
@@ -369,11 +473,22 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
         const float* qr = qf + (t * h + head) * d;
         uint32_t words[kMaxDim / 2];
         for (int64_t i = 0; i < d; i += 32) bf16_pairs32(qr + i, words + i / 2);
-        for (int64_t i = 0; i < pairs; ++i) qp[i * brows + r] = words[i];  // interleaved (score_tiles)
+        for (int64_t i = 0; i < pairs; ++i) {
+          if (on_tiles)
+            qp[r * pairs + i] = words[i];  // row-major (the A tile)
+          else
+            qp[i * brows + r] = words[i];  // interleaved (score_tiles)
+        }
         max_len = std::max(max_len, lens[t]);
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
       const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
+#ifdef FASTCPU_AMX
+      if (on_tiles)
+        score_rows_amx(qp, pairs, nrows, kp, used_tiles, static_cast<float>(scale), sc, padded, packed.has_value(),
+                       ahead);
+      else
+#endif
       if (brows == kWideRows)
         score_rows<kWideRows>(qp, pairs, kp, used_tiles, static_cast<float>(scale), sc, padded,
                               packed.has_value(), ahead);
@@ -387,6 +502,11 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
                                                 pp + r * padded / 2);
       }
       const int64_t key_pairs = used / 2;
+#ifdef FASTCPU_AMX
+      if (on_tiles)
+        value_rows_amx(pp, padded / 2, used_even / 2, vp, d, acc, d, ahead);
+      else
+#endif
       if (d == 64)
         value_block<4>(pp, padded / 2, key_pairs, vp, acc, d, nrows, ahead);
       else
