@@ -86,7 +86,9 @@ def test_linear_adds_into_a_bf16_residual_as_torch_would(k, kernel):
 def test_a_row_gets_the_same_bits_alone_or_among_many(k, kernel):
     """The int8 and bf16 dot-product kernels compute each row on its own: quantised (int8, in parallel over rows
     from ~56 rows of K = 576) or paired (bf16) straight from its bf16 values, and stored by its own tile, so a row's
-    product and residual update are the same bits in a batch of 1 or of 139 (several 48-row chunks)."""
+    product and residual update are the same bits in a batch of 1 or of 139 (several 48-row chunks). On a CPU with
+    AMX the batch runs on the tiles and the single row on vectors: both sum each row's pair products (bf16) or exact
+    block sums (int8) in k order into fp32, so this holds across the two paths too."""
     call = linear_calls(k)[kernel]
     g = torch.Generator().manual_seed(5)
     m, kdim, n = 139, 576, 200
