@@ -57,5 +57,36 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
+// The bf16 tile kernels' step, with their shared tile numbering (0-3 results, 4 the A tile, 6 and 7 B tiles):
+// tiles 0-3 += the A tile (rows `lda` bytes apart from `a`) x the four 16-column slices of a 64-column block of
+// bf16 pairs (slice s at `b` + 64 s bytes, its rows `ldb` bytes apart), loaded into tiles 6 and 7 in turn.
+inline void bf16_products_x4(const void* a, int64_t lda, const void* b, int64_t ldb) {
+  const char* slices = static_cast<const char*>(b);
+  _tile_loadd(4, a, lda);
+  _tile_loadd(6, slices, ldb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_loadd(7, slices + 64, ldb);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_loadd(6, slices + 128, ldb);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_loadd(7, slices + 192, ldb);
+  _tile_dpbf16ps(3, 4, 7);
+}
+
+inline void zero_x4() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// Tiles 0-3 (fp32, 16 columns each) side by side from `out`, rows `ldo` floats apart.
+inline void store_x4(float* out, int64_t ldo) {
+  _tile_stored(0, out, ldo * 4);
+  _tile_stored(1, out + 16, ldo * 4);
+  _tile_stored(2, out + 32, ldo * 4);
+  _tile_stored(3, out + 48, ldo * 4);
+}
+
 }  // namespace fastcpu
 #endif

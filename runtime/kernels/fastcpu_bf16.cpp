@@ -118,11 +118,11 @@ constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kAmxPrefetchBytes = 8192;  // two tile steps of a panel ahead
 
 // Tiles 0-3: the products of `rows` rows x the panel's 4 slices of 16 columns (fp32); 4: the rows' activation
-// pairs; 5, 6: weight slices, loaded in turn.
+// pairs; 6, 7: weight slices, loaded in turn (fastcpu::bf16_products_x4).
 fastcpu::TileConfig amx_config(int rows) {
   fastcpu::TileConfig c;
   for (int t = 0; t < 5; ++t) c.tile(t, rows, 64);
-  return c.tile(5, kTilePairs, 64).tile(6, kTilePairs, 64);
+  return c.tile(6, kTilePairs, 64).tile(7, kTilePairs, 64);
 }
 
 // Rows in blocks of up to 16 (the activations zero-padded to whole blocks, so every block is a full tile and its
@@ -142,30 +142,17 @@ void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       for (int64_t b = 0; b < blocks; ++b) {
         const uint32_t* a = xp + b * rows * pairs;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        fastcpu::zero_x4();
         for (int64_t g = 0; g < pairs; g += kTilePairs) {
           const uint16_t* w = panel + g * kPairElems;
-          if (b == 0) {  // the first block brings the panel in (and the next one's start); the later ones find it in cache
+          // the first block brings the panel in (and the next one's start); the later ones find it in cache
+          if (b == 0) {
             const char* ahead = reinterpret_cast<const char*>(w) + kAmxPrefetchBytes;
             for (int line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
           }
-          _tile_loadd(4, a + g, lda);
-          _tile_loadd(5, w, ldb);
-          _tile_loadd(6, w + 32, ldb);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(5, w + 64, ldb);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(6, w + 96, ldb);
-          _tile_dpbf16ps(2, 4, 5);
-          _tile_dpbf16ps(3, 4, 6);
+          fastcpu::bf16_products_x4(a + g, lda, w, ldb);
         }
-        _tile_stored(0, c, kPanel * 4);
-        _tile_stored(1, c + 16, kPanel * 4);
-        _tile_stored(2, c + 32, kPanel * 4);
-        _tile_stored(3, c + 48, kPanel * 4);
+        fastcpu::store_x4(c, kPanel);
         const fastcpu::ProductDest out = dest.at(b * rows, c0);
         const int64_t valid = std::min<int64_t>(rows, m - b * rows);
         for (int64_t col = 0; col < cn; col += 16) {

@@ -286,10 +286,7 @@ void score_rows_amx(const uint32_t* qrow, int64_t pairs, int64_t rows, const uin
       const char* next = reinterpret_cast<const char*>(kt + 4 * tile_elems);
       for (int64_t line = 0; line < 4 * tile_elems * 2 / 64; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
     }
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    fastcpu::zero_x4();
     for (int64_t i0 = 0; i0 < pairs; i0 += 16) {
       for (int tick = 0; tick < 16; ++tick) fetch.tick();
       const uint16_t* k = kt + i0 * kKeys * 2;
@@ -326,27 +323,12 @@ void value_rows_amx(const uint32_t* pp, int64_t ldp, int64_t key_pairs, const ui
                     int64_t ldo, FetchCursor& fetch) {
   const int64_t ldv = d * 4;  // bytes from one key pair's values to the next's
   for (int64_t c0 = 0; c0 < d; c0 += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    fastcpu::zero_x4();
     for (int64_t jp0 = 0; jp0 < key_pairs; jp0 += 16) {
       for (int tick = 0; tick < 16; ++tick) fetch.tick();
-      const uint16_t* v = vp + (jp0 * d + c0) * 2;
-      _tile_loadd(4, pp + jp0, ldp * 4);
-      _tile_loadd(6, v, ldv);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, v + 32, ldv);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, v + 64, ldv);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(7, v + 96, ldv);
-      _tile_dpbf16ps(3, 4, 7);
+      fastcpu::bf16_products_x4(pp + jp0, ldp * 4, vp + (jp0 * d + c0) * 2, ldv);
     }
-    _tile_stored(0, out + c0, ldo * 4);
-    _tile_stored(1, out + c0 + 16, ldo * 4);
-    _tile_stored(2, out + c0 + 32, ldo * 4);
-    _tile_stored(3, out + c0 + 48, ldo * 4);
+    fastcpu::store_x4(out + c0, ldo);
   }
 }
 

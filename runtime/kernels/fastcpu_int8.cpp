@@ -228,6 +228,8 @@ void amx_half_panel(const QuantRows& xq, int64_t r0, int64_t valid, const uint8_
       const char* ahead = reinterpret_cast<const char*>(w) + kAmxPrefetchBytes;
       for (int64_t line = 0; line < block_bytes / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
     }
+    // Tile numbers are spelled into the instructions (GCC's tile intrinsics stringify them), so the two sets are
+    // two written-out branches rather than one parameterised step.
     if (b % 2 == 0) {
       _tile_zero(0);
       _tile_zero(1);
