@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LOAD = ("import logging; logging.basicConfig(level=logging.INFO)\n"
         "from runtime.kernels.build import load_kernels\n"
         "load_kernels('invariant'); print('loaded', flush=True)")
-# Holds the kernel set's lock the way a live build does (with torch's lock file present), then reports whether
-# its lock file was left alone while it held the lock.
+# Holds the kernel set's lock the way a live build does (with torch's lock file present) until told on stdin to
+# let go, then reports whether its lock file was left alone while it held the lock. Waiting for the word, not for
+# a fixed time, keeps the test true on a slow host, where starting the loader (importing torch) can take seconds.
 HOLD = """
-import sys, time
+import sys
 from pathlib import Path
 from runtime.build_cache import making
 folder = Path(sys.argv[1])
@@ -33,7 +34,7 @@ with making(folder / "radixserve.lock", "the invariant kernels"):
     baton = folder / "lock"
     baton.touch()
     print("holding", flush=True)
-    time.sleep(2.0)
+    sys.stdin.readline()
     print("kept" if baton.exists() else "removed", flush=True)
     baton.unlink()
 """
@@ -56,19 +57,32 @@ def test_a_load_after_a_killed_build_clears_its_lock(folder: Path) -> None:
     assert not (folder / "lock").exists()
 
 
-def test_a_load_waits_for_a_live_build(folder: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def test_a_load_waits_for_a_live_build(folder: Path, tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    log = tmp_path / "loader.log"
+    loader: subprocess.Popen[str] | None = None
     try:
-        assert holder.stdout is not None
+        assert holder.stdin is not None and holder.stdout is not None
         assert holder.stdout.readline().strip() == "holding"
-        t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-c", LOAD], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        waited = time.monotonic() - t0
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "loaded" in done.stdout
-        assert "another process is making the invariant kernels" in done.stderr
+        with log.open("w") as err:
+            loader = subprocess.Popen([sys.executable, "-c", LOAD], cwd=ROOT, stdout=subprocess.PIPE, stderr=err,
+                                      text=True)
+        deadline = time.monotonic() + 300
+        while "another process is making the invariant kernels" not in log.read_text():
+            assert loader.poll() is None, f"the loader went on while the lock was held: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "the loader never reported the lock it waits on"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert loader.poll() is None  # still waiting: the lock, not a fixed delay, holds it back
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
         assert holder.stdout.readline().strip() == "kept"  # the live build's lock file was not taken for stale
-        assert waited > 1.0  # it loaded only once the holder let go
+        out, _ = loader.communicate(timeout=300)
+        assert loader.returncode == 0, log.read_text()[-2000:]
+        assert "loaded" in out
     finally:
-        holder.kill()
-        holder.wait()
+        for proc in (holder, loader):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
