@@ -195,14 +195,16 @@ def attention_layer(torch: Any, runner: Any, bs: int, ctx: int, reps: int = 50) 
         q = torch.randn(bs, shape.num_heads, shape.head_dim, device="cuda", dtype=dt)
         k = torch.randn(bs, shape.num_kv_heads, shape.head_dim, device="cuda", dtype=dt)
         v = torch.randn_like(k)
-        for _ in range(3):
-            runner.attn_backend.forward(q, k, v, 0, fb)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            runner.attn_backend.forward(q, k, v, 0, fb)
-        b.record()
-        b.synchronize()
+        # as ModelRunner.forward calls it: a backend's scratch buffers are inference tensors, written in place
+        with torch.inference_mode():
+            for _ in range(3):
+                runner.attn_backend.forward(q, k, v, 0, fb)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                runner.attn_backend.forward(q, k, v, 0, fb)
+            b.record()
+            b.synchronize()
         return a.elapsed_time(b) * 1e3 / reps
     finally:
         for r, s in zip(rows, slots):
