@@ -5,7 +5,7 @@ Each server gets the same prompt once to warm up, then a different ~1k-token pro
 /v1/completions with 128 new tokens (ignore_eos). Decode tokens/s counts the tokens after the first over
 the time between the first and the last streamed chunk; time to first token is reported too.
 
-    python benchmarks/bench_single_stream.py [--formats bfloat16 float32 int8] [--json out.json]
+    python benchmarks/bench_single_stream.py [--formats bfloat16 float32 int8 int8+kv8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from engine_steps import emit
 from runtime.bench.servers import llama_cpp_server, llama_cpp_status, radixserve_server
 
 FORMAT_FLAGS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
-                "int8": ["--quantization", "int8"]}  # activations and KV in the default dtype, as the flag alone
+                "int8": ["--quantization", "int8"],  # activations and KV in the default dtype, as the flag alone
+                "int8+kv8": ["--quantization", "int8", "--kv-cache-dtype", "int8"]}  # and the KV cache in int8
 WORDS = ["river", "stone", "lamp", "north", "quiet", "harbour", "seven", "glass", "wind", "rope", "market",
          "winter", "letter", "garden", "engine", "bridge", "orange", "silver", "window", "morning"]
 
