@@ -194,19 +194,20 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
 
 #ifdef FASTCPU_AMX
 
-// Below 16 rows the vector tiles stay: the tiles' per-block fold (sums stored, converted and scaled, 32 columns
-// at a time) costs more than the integer products it saves. One gate/up projection (576 x 3072) in cache, two
-// threads, tiles vs vector kernel: 2.64x the time at 2 rows and 1.09x at 8 (a version taking batches from 2 rows);
-// this one 0.90x at 16, 0.93x at 64, 0.89x at 169.
+// Below 16 rows the vector tiles stay: the tiles' per-block fold (sums stored, converted and scaled) costs more
+// than the integer products it saves. One gate/up projection (576 x 3072) in cache, two threads, tiles vs vector
+// kernel: 2.64x the time at 2 rows and 1.09x at 8 (a version folding 32 columns at a time, taking batches from 2
+// rows), 0.90x at 16, 0.93x at 64, 0.89x at 169. Folding one 16-column slice at a time (amx_slice), the 120
+// linears of 30 layers from memory against the vector kernel: 1.32x at 4 rows, 1.13x at 8, 0.99x at 12.
 constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kAmxPrefetchBytes = 4096;  // two blocks of a panel ahead (32-value blocks)
 
-// Two sets of tiles, for a block and the next in flight: 0, 1 (even blocks) and 2, 3 (odd) hold a block's int32
-// sums for `rows` rows x 2 slices of 16 columns; 4 (even) and 5 (odd) the rows' block of activations; 6, 7 the two
-// weight slices, loaded in turn.
+// Two sets of tiles, for a block and the next in flight: 0 (even blocks) and 2 (odd) hold a block's int32 sums for
+// 16 rows x one 16-column slice; 4 (even) and 5 (odd) the rows' block of activations; 6 (even) and 7 (odd) the
+// block's groups of the slice.
 fastcpu::TileConfig amx_config(int rows, int64_t block) {
   fastcpu::TileConfig c;
-  for (int t = 0; t < 4; ++t) c.tile(t, rows, 64);
+  c.tile(0, rows, 64).tile(2, rows, 64);
   c.tile(4, rows, static_cast<int>(block)).tile(5, rows, static_cast<int>(block));
   return c.tile(6, static_cast<int>(block / 4), 64).tile(7, static_cast<int>(block / 4), 64);
 }
@@ -215,17 +216,24 @@ bool amx_fits(int64_t m, int64_t k, int64_t block) {
   return m >= kAmxMinRows && block <= 64 && k % block == 0 && fastcpu::amx_permitted();
 }
 
-// One row block's products with one half (32 columns) of a panel, into acc [rows][64] (the half's columns).
-// A block's sums leave the tiles (a store, then the fold into fp32 with the block's scales) while the next block's
-// dot products run in the other set of tiles: done in turn on the same tiles, each block waited for its own
-// store and fold before its successor could start, and the fold, not the tiles, set the pace.
-void amx_half_panel(const QuantRows& xq, int64_t r0, int64_t valid, const uint8_t* half, int64_t block_bytes,
-                    bool prefetch, int32_t* sums, float* acc) {
+// One block of 16 rows times one 16-column slice of a panel, stored through `out` (its row 0 is the block's first
+// row; `col` the slice's first column, `left` its valid columns): every k-block's int32 sums leave the tiles and
+// are folded into 16 fp32 accumulators (one per row) with that block's scales (`scales` [nb][16], zero for rows
+// past m, whose activations are zero padding). The accumulators stay in registers: with a half panel (32 columns)
+// per pass they did not fit, and each block's fold loaded and stored 32 vectors of partial sums besides its two
+// tile stores; with one slice a block costs one tile store and 16 loads (0.86-0.89x the time at 169-1,024 rows).
+// A block's sums leave the tiles while the next block's dot products run in the other set of tiles: done in turn
+// on the same tiles, each block waited for its own store and fold before its successor could start.
+void amx_slice(const QuantRows& xq, int64_t r0, const uint8_t* slice, int64_t block_bytes, bool prefetch,
+               const float* scales, int32_t* sums, const fastcpu::ProductDest& out, int64_t valid, int64_t col,
+               int64_t left, const float* scale, const float* bias) {
   const int64_t lda = xq.ld;
   const int8_t* a = xq.q.data() + r0 * lda;
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
   auto issue = [&](int64_t b) {
-    const uint8_t* w = half + b * block_bytes;
-    if (prefetch) {
+    const uint8_t* w = slice + b * block_bytes;
+    if (prefetch) {  // whole k-groups (all four slices of the panel) two blocks ahead
       const char* ahead = reinterpret_cast<const char*>(w) + kAmxPrefetchBytes;
       for (int64_t line = 0; line < block_bytes / 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
     }
@@ -233,39 +241,25 @@ void amx_half_panel(const QuantRows& xq, int64_t r0, int64_t valid, const uint8_
     // two written-out branches rather than one parameterised step.
     if (b % 2 == 0) {
       _tile_zero(0);
-      _tile_zero(1);
       _tile_loadd(4, a + b * xq.block, lda);
       _tile_loadd(6, w, kGroupBytes);
       _tile_dpbsud(0, 4, 6);
-      _tile_loadd(7, w + 64, kGroupBytes);
-      _tile_dpbsud(1, 4, 7);
     } else {
       _tile_zero(2);
-      _tile_zero(3);
       _tile_loadd(5, a + b * xq.block, lda);
-      _tile_loadd(6, w, kGroupBytes);
-      _tile_dpbsud(2, 5, 6);
-      _tile_loadd(7, w + 64, kGroupBytes);
-      _tile_dpbsud(3, 5, 7);
+      _tile_loadd(7, w, kGroupBytes);
+      _tile_dpbsud(2, 5, 7);
     }
   };
   auto drain = [&](int64_t b) {
-    int32_t* s = sums + (b % 2) * 16 * 32;
-    if (b % 2 == 0) {
-      _tile_stored(0, s, 128);
-      _tile_stored(1, s + 16, 128);
-    } else {
-      _tile_stored(2, s, 128);
-      _tile_stored(3, s + 16, 128);
-    }
-    for (int64_t r = 0; r < valid; ++r) {
-      const __m512 sc = _mm512_set1_ps(xq.scale[(r0 + r) * xq.nb + b]);
-      for (int64_t v = 0; v < 32; v += 16) {
-        float* out = acc + r * kPanel + v;
-        _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s + r * 32 + v)), sc,
-                                             _mm512_load_ps(out)));
-      }
-    }
+    int32_t* s = sums + (b % 2) * 16 * 16;
+    if (b % 2 == 0)
+      _tile_stored(0, s, 64);
+    else
+      _tile_stored(2, s, 64);
+    const float* sc = scales + b * 16;
+    for (int r = 0; r < 16; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(s + r * 16)), _mm512_set1_ps(sc[r]), acc[r]);
   };
   issue(0);
   for (int64_t b = 1; b < xq.nb; ++b) {
@@ -273,44 +267,43 @@ void amx_half_panel(const QuantRows& xq, int64_t r0, int64_t valid, const uint8_
     drain(b - 1);
   }
   drain(xq.nb - 1);
+  const __mmask16 mask = left == 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + col);
+  const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+  for (int r = 0; r < 16; ++r)
+    if (r < valid)
+      out.store(r, col, _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(xq.corr[r0 + r])), sc, bi), mask, left);
 }
 
 // Work items are (panel, chunk of up to 3 row blocks of 16), as linear_int8_impl's. xq.q holds
-// fastcpu::amx_padded_rows(m) rows.
+// fastcpu::amx_padded_rows(m) rows (m >= kAmxMinRows: whole blocks of 16).
 void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
                      const float* bias, const fastcpu::ProductDest& dest, int64_t n) {
-  const int rows = static_cast<int>(fastcpu::amx_block_rows(m));
-  const int64_t row_blocks = (m + rows - 1) / rows;
+  constexpr int64_t kRows = 16;
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
   constexpr int64_t kChunkBlocks = 3;
   const int64_t chunks = (row_blocks + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t panels = (n + kPanel - 1) / kPanel, panel_bytes = groups * kGroupBytes;
   const int64_t block_bytes = xq.block / 4 * kGroupBytes;
-  const fastcpu::TileConfig config = amx_config(rows, xq.block);
+  const fastcpu::TileConfig config = amx_config(kRows, xq.block);
   at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
     const fastcpu::TileScope tiles(config);
-    alignas(64) int32_t sums[2 * 16 * 32];
-    alignas(64) float acc[16 * kPanel];
+    alignas(64) int32_t sums[2 * 16 * 16];
+    std::vector<float> scales(xq.nb * kRows);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / chunks, rb0 = (i % chunks) * kChunkBlocks;
       const int64_t rb1 = std::min(row_blocks, rb0 + kChunkBlocks);
       const uint8_t* panel = packed + p * panel_bytes;
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       for (int64_t rb = rb0; rb < rb1; ++rb) {
-        const int64_t r0 = rb * rows, valid = std::min<int64_t>(rows, m - r0);
-        std::fill(acc, acc + valid * kPanel, 0.f);
+        const int64_t r0 = rb * kRows, valid = std::min<int64_t>(kRows, m - r0);
+        for (int64_t b = 0; b < xq.nb; ++b)
+          for (int64_t r = 0; r < kRows; ++r) scales[b * kRows + r] = r < valid ? xq.scale[(r0 + r) * xq.nb + b] : 0.f;
+        const fastcpu::ProductDest out = dest.at(r0, 0);
         // the first pass over the panel brings it in (and the next one's start); the others find it in cache
-        amx_half_panel(xq, r0, valid, panel, block_bytes, rb == 0, sums, acc);
-        if (cn > 32) amx_half_panel(xq, r0, valid, panel + 128, block_bytes, false, sums, acc + 32);
-        const fastcpu::ProductDest out = dest.at(r0, c0);
-        for (int64_t col = 0; col < cn; col += 16) {
-          const int64_t left = std::min<int64_t>(16, cn - col);
-          const __mmask16 mask = left == 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-          const __m512 sc = _mm512_maskz_loadu_ps(mask, scale + c0 + col);
-          const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + c0 + col) : _mm512_setzero_ps();
-          for (int64_t r = 0; r < valid; ++r)
-            out.store(r, col, _mm512_fmadd_ps(_mm512_sub_ps(_mm512_load_ps(acc + r * kPanel + col),
-                                                            _mm512_set1_ps(xq.corr[r0 + r])), sc, bi), mask, left);
-        }
+        for (int64_t sl = 0; sl * 16 < cn; ++sl)
+          amx_slice(xq, r0, panel + 64 * sl, block_bytes, rb == 0 && sl == 0, scales.data(), sums, out, valid,
+                    c0 + 16 * sl, std::min<int64_t>(16, cn - 16 * sl), scale, bias);
       }
     }
   });
