@@ -202,13 +202,15 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
 constexpr int64_t kAmxMinRows = 16;
 constexpr int64_t kAmxPrefetchBytes = 4096;  // two blocks of a panel ahead (32-value blocks)
 
+constexpr int kAmxRows = 16;  // rows per tile block (xq.q is zero-padded to whole blocks)
+
 // Two sets of tiles, for a block and the next in flight: 0 (even blocks) and 2 (odd) hold a block's int32 sums for
 // 16 rows x one 16-column slice; 4 (even) and 5 (odd) the rows' block of activations; 6 (even) and 7 (odd) the
 // block's groups of the slice.
-fastcpu::TileConfig amx_config(int rows, int64_t block) {
+fastcpu::TileConfig amx_config(int64_t block) {
   fastcpu::TileConfig c;
-  c.tile(0, rows, 64).tile(2, rows, 64);
-  c.tile(4, rows, static_cast<int>(block)).tile(5, rows, static_cast<int>(block));
+  c.tile(0, kAmxRows, 64).tile(2, kAmxRows, 64);
+  c.tile(4, kAmxRows, static_cast<int>(block)).tile(5, kAmxRows, static_cast<int>(block));
   return c.tile(6, static_cast<int>(block / 4), 64).tile(7, static_cast<int>(block / 4), 64);
 }
 
@@ -218,8 +220,8 @@ bool amx_fits(int64_t m, int64_t k, int64_t block) {
 
 // One block of 16 rows times one 16-column slice of a panel, stored through `out` (its row 0 is the block's first
 // row; `col` the slice's first column, `left` its valid columns): every k-block's int32 sums leave the tiles and
-// are folded into 16 fp32 accumulators (one per row) with that block's scales (`scales` [nb][16], zero for rows
-// past m, whose activations are zero padding). The accumulators stay in registers: with a half panel (32 columns)
+// are folded into 16 fp32 accumulators (one per row) with that block's scales (`scales` [nb][16]: block_scales'
+// for this row block). The accumulators stay in registers: with a half panel (32 columns)
 // per pass they did not fit, and each block's fold loaded and stored 32 vectors of partial sums besides its two
 // tile stores; with one slice a block costs one tile store and 16 loads (0.86-0.89x the time at 169-1,024 rows).
 // A block's sums leave the tiles while the next block's dot products run in the other set of tiles: done in turn
@@ -275,35 +277,43 @@ void amx_slice(const QuantRows& xq, int64_t r0, const uint8_t* slice, int64_t bl
       out.store(r, col, _mm512_fmadd_ps(_mm512_sub_ps(acc[r], _mm512_set1_ps(xq.corr[r0 + r])), sc, bi), mask, left);
 }
 
+// The activation scales per block of 16 rows, as amx_slice folds with them: [row blocks][nb][16], zero for rows
+// past m (their activations are zero padding).
+std::vector<float> block_scales(const QuantRows& xq, int64_t m) {
+  const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows;
+  std::vector<float> out(row_blocks * xq.nb * kAmxRows, 0.f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < xq.nb; ++b)
+      out[((r / kAmxRows) * xq.nb + b) * kAmxRows + r % kAmxRows] = xq.scale[r * xq.nb + b];
+  return out;
+}
+
 // Work items are (panel, chunk of up to 3 row blocks of 16), as linear_int8_impl's. xq.q holds
 // fastcpu::amx_padded_rows(m) rows (m >= kAmxMinRows: whole blocks of 16).
 void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
                      const float* bias, const fastcpu::ProductDest& dest, int64_t n) {
-  constexpr int64_t kRows = 16;
-  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  const int64_t row_blocks = (m + kAmxRows - 1) / kAmxRows;
   constexpr int64_t kChunkBlocks = 3;
   const int64_t chunks = (row_blocks + kChunkBlocks - 1) / kChunkBlocks;
   const int64_t panels = (n + kPanel - 1) / kPanel, panel_bytes = groups * kGroupBytes;
   const int64_t block_bytes = xq.block / 4 * kGroupBytes;
-  const fastcpu::TileConfig config = amx_config(kRows, xq.block);
+  const fastcpu::TileConfig config = amx_config(xq.block);
+  const std::vector<float> scales = block_scales(xq, m);
   at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
     const fastcpu::TileScope tiles(config);
     alignas(64) int32_t sums[2 * 16 * 16];
-    std::vector<float> scales(xq.nb * kRows);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / chunks, rb0 = (i % chunks) * kChunkBlocks;
       const int64_t rb1 = std::min(row_blocks, rb0 + kChunkBlocks);
       const uint8_t* panel = packed + p * panel_bytes;
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       for (int64_t rb = rb0; rb < rb1; ++rb) {
-        const int64_t r0 = rb * kRows, valid = std::min<int64_t>(kRows, m - r0);
-        for (int64_t b = 0; b < xq.nb; ++b)
-          for (int64_t r = 0; r < kRows; ++r) scales[b * kRows + r] = r < valid ? xq.scale[(r0 + r) * xq.nb + b] : 0.f;
+        const int64_t r0 = rb * kAmxRows, valid = std::min<int64_t>(kAmxRows, m - r0);
         const fastcpu::ProductDest out = dest.at(r0, 0);
         // the first pass over the panel brings it in (and the next one's start); the others find it in cache
         for (int64_t sl = 0; sl * 16 < cn; ++sl)
-          amx_slice(xq, r0, panel + 64 * sl, block_bytes, rb == 0 && sl == 0, scales.data(), sums, out, valid,
-                    c0 + 16 * sl, std::min<int64_t>(16, cn - 16 * sl), scale, bias);
+          amx_slice(xq, r0, panel + 64 * sl, block_bytes, rb == 0 && sl == 0, scales.data() + rb * xq.nb * kAmxRows,
+                    sums, out, valid, c0 + 16 * sl, std::min<int64_t>(16, cn - 16 * sl), scale, bias);
       }
     }
   });
