@@ -35,6 +35,7 @@ from radix.kv_int8 import dequantize_slots
 from runtime.attention.base import AttentionBackend, AttentionShape
 from runtime.attention.cascade import (
     CascadePolicy,
+    SharedPrefixFinder,
     attention_with_lse,
     merge_attention_,
 )
@@ -94,7 +95,8 @@ class TorchNativeBackend(AttentionBackend):
                              f"{shape.num_kv_heads} kv heads")
         self.device = torch.device(device)
         self.group = shape.num_heads // shape.num_kv_heads
-        self.cascade = cascade
+        # one finder per backend: it carries a decode wave's groups from one step to the next
+        self._groups = SharedPrefixFinder(cascade) if cascade is not None else None
         # Decode rows read the paged pool in place when the CPU kernels build (paged_decode.py).
         self.paged = paged_decode_kernel(shape, self.device) if in_place_decode else None
         # Gather buffers reused by every layer and step. Fresh multi-MB tensors per layer cost page faults
@@ -103,7 +105,7 @@ class TorchNativeBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
-        plan_batch(batch, self.cascade)
+        plan_batch(batch, self._groups)
         if self.paged is not None:  # packed prefixes this batch does not share are dropped
             casc = batch.attn_metadata.cascade
             self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())

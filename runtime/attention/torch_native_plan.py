@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.attention.cascade import CascadePolicy, SharedPrefix, find_shared_prefixes
+from runtime.attention.cascade import SharedPrefix, SharedPrefixFinder
 from runtime.core.forward_batch import ForwardBatch, ForwardMode
 
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
@@ -91,15 +91,16 @@ class TorchNativeMetadata:
     cascade: CascadePlan | None = None
 
 
-def plan_batch(batch: ForwardBatch, cascade: CascadePolicy | None) -> None:
-    """Build the slot-index tensors and masks once per batch (Python work per request, not per layer)."""
+def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None) -> None:
+    """Build the slot-index tensors and masks once per batch (Python work per request, not per layer);
+    ``cascade`` groups the requests that share a cached prefix (None: no groups)."""
     if batch.batch_size == 0:
         batch.attn_metadata = TorchNativeMetadata()
         return
     groups: list[SharedPrefix] = []
     if cascade is not None:
-        groups = find_shared_prefixes(batch.req_to_token, batch.req_pool_indices.tolist(),
-                                      batch.prefix_lens_cpu, cascade)
+        groups = cascade.find(batch.req_to_token, batch.req_pool_indices.tolist(), batch.prefix_lens_cpu,
+                              batch.mode is ForwardMode.DECODE)
     dtype = batch.kv.shape.dtype
     if not groups and batch.mode is ForwardMode.DECODE:
         batch.attn_metadata = TorchNativeMetadata(decode=_decode_group(batch, None, None, dtype))

@@ -18,7 +18,13 @@ from model_helpers import TINY_CONFIGS, VOCAB, PoolDriver, hf_logits
 from radix.kv_storage import KVShape, KVStorage
 from runtime.attention import cascade
 from runtime.attention.base import AttentionShape
-from runtime.attention.cascade import CascadePolicy, SharedPrefix, find_shared_prefixes, merge_attention_
+from runtime.attention.cascade import (
+    CascadePolicy,
+    SharedPrefix,
+    SharedPrefixFinder,
+    find_shared_prefixes,
+    merge_attention_,
+)
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.attention.torch_native_plan import OWN_CHUNKS_MAX, TorchNativeMetadata
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
@@ -100,6 +106,67 @@ def test_nested_sharing_takes_the_branch_that_pays() -> None:
     # group (2*200), so one group of five.
     assert find_shared_prefixes(table, [0, 1, 2, 3, 5], [300, 501, 300, 501, 501], policy) == [
         SharedPrefix((0, 1, 2, 3, 4), 200)]
+
+
+def _decode_step(table: torch.Tensor, rows: Sequence[int], lens: list[int], next_slot: int) -> int:
+    """Each request of ``rows`` writes one private slot at position ``lens[j]`` and moves one token on."""
+    for j, r in enumerate(rows):
+        table[r, lens[j]] = next_slot
+        lens[j] += 1
+        next_slot += 1
+    return next_slot
+
+
+def test_finder_keeps_a_decode_waves_groups_and_gives_the_walks_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples under a question under a few-shot block, another question, and a request of its own, decoding:
+    every step's groups equal a new walk's, and the walk runs only when the batch is not the last one moved on."""
+    block, sample = _seq(100, 200), _seq(400, 300)
+    table = _table([block + sample + [900], block + _seq(1000, 300), block + sample + [901],
+                    block + _seq(2000, 300), _seq(3000, 40), block + sample + [902]], 1000)
+    rows, lens = [0, 1, 2, 3, 4, 5], [501, 500, 501, 500, 40, 501]
+    policy = CascadePolicy(32, 32)
+    walks: list[int] = []
+    walk = cascade.find_shared_prefixes
+    monkeypatch.setattr(cascade, "find_shared_prefixes", lambda *a: walks.append(1) or walk(*a))
+    finder, slot = SharedPrefixFinder(policy), 10_000
+    expected = [SharedPrefix((0, 2, 5), 500), SharedPrefix((1, 3), 200)]
+    for _ in range(6):
+        got = finder.find(table, rows, lens, decode=True)
+        assert got == walk(table, rows, lens, policy) == expected
+        slot = _decode_step(table, rows, lens, slot)
+    assert len(walks) == 1
+    # A prefill step in between (not every request one token on): the next decode batch walks again.
+    finder.find(table, rows, lens, decode=False)
+    slot = _decode_step(table, rows, lens, slot)
+    assert finder.find(table, rows, lens, decode=True) == expected and len(walks) == 3
+    # A request reaching min_prefix between two steps becomes a candidate: the walk runs again (and still agrees).
+    short = _table([block[:30], block[:31]], 1000)
+    rows2, lens2 = [0, 1], [30, 31]
+    finder2, policy2 = SharedPrefixFinder(CascadePolicy(31, 1)), CascadePolicy(31, 1)
+    assert finder2.find(short, rows2, lens2, decode=True) == walk(short, rows2, lens2, policy2) == []
+    _decode_step(short, rows2, lens2, 50_000)
+    before = len(walks)
+    assert finder2.find(short, rows2, lens2, decode=True) == walk(short, rows2, lens2, policy2)
+    assert len(walks) == before + 1
+    # The same lengths again (the batch did not move on): walk again.
+    assert finder2.find(short, rows2, lens2, decode=True) == walk(short, rows2, lens2, policy2)
+    assert len(walks) == before + 2
+
+
+def test_finder_walks_again_when_a_row_changes_hands() -> None:
+    """Request 3 finishes and a new request takes its table row, with as many cached tokens as it would have had
+    and a prefix that leaves the block after 50 slots: it is not grouped under the block."""
+    block = _seq(100, 200)
+    table = _table([block + _seq(1000, 50), block + _seq(2000, 50), block + _seq(3000, 50),
+                    block + _seq(4000, 50)], 1000)
+    rows, lens = [0, 1, 2, 3], [250, 250, 250, 250]
+    policy = CascadePolicy(32, 32)
+    finder = SharedPrefixFinder(policy)
+    assert finder.find(table, rows, lens, decode=True) == [SharedPrefix((0, 1, 2, 3), 200)]
+    _decode_step(table, rows, lens, 10_000)
+    table[3, :251] = torch.tensor(block[:50] + _seq(6000, 201))
+    got = finder.find(table, rows, lens, decode=True)
+    assert got == find_shared_prefixes(table, rows, lens, policy) == [SharedPrefix((0, 1, 2), 200)]
 
 
 def test_merge_is_exact_for_extreme_magnitudes() -> None:
