@@ -99,39 +99,34 @@ class SharedPrefixFinder:
 
     def __init__(self, policy: CascadePolicy):
         self.policy = policy
+        # the last decode batch: its request rows, their cached lengths, its groups (None after any other batch)
         self._last: tuple[tuple[int, ...], tuple[int, ...], list[SharedPrefix]] | None = None
 
     def find(self, req_to_token: torch.Tensor, req_rows: Sequence[int], prefix_lens: Sequence[int],
              decode: bool) -> list[SharedPrefix]:
         """The groups of a batch (``decode``: every request adds one token), as ``find_shared_prefixes``."""
         rows, lens = tuple(req_rows), tuple(prefix_lens)
-        if decode and self._continues(req_to_token, rows, lens):
-            assert self._last is not None
-            groups = self._last[2]
-        else:
-            groups = find_shared_prefixes(req_to_token, rows, lens, self.policy)
+        kept = self._kept_groups(req_to_token, rows, lens) if decode else None
+        groups = kept if kept is not None else find_shared_prefixes(req_to_token, rows, lens, self.policy)
         self._last = (rows, lens, groups) if decode else None
         return list(groups)
 
-    def _continues(self, req_to_token: torch.Tensor, rows: tuple[int, ...], lens: tuple[int, ...]) -> bool:
+    def _kept_groups(self, req_to_token: torch.Tensor, rows: tuple[int, ...],
+                     lens: tuple[int, ...]) -> list[SharedPrefix] | None:
+        """The last decode batch's groups where this batch is that one moved one token on, else None."""
         if self._last is None:
-            return False
+            return None
         last_rows, last_lens, groups = self._last
         low = self.policy.min_prefix
         if rows != last_rows or any(n != m + 1 or (n >= low) != (m >= low) for n, m in zip(lens, last_lens)):
-            return False
+            return None
         if not groups:
-            return True
-        members = [i for g in groups for i in g.members]
-        leads = [g.members[0] for g in groups for _ in g.members]
-        cols = torch.tensor([g.prefix_len - 1 for g in groups for _ in g.members], dtype=torch.int64,
-                            device=req_to_token.device)
-
-        def slots(of: list[int]) -> torch.Tensor:
-            return req_to_token[torch.tensor([rows[i] for i in of], dtype=torch.int64, device=req_to_token.device),
-                                cols]
-
-        return bool((slots(members) == slots(leads)).all())
+            return groups
+        # one gather: each member's slot at its group's P - 1 (row 0) and its leader's (row 1)
+        pairs = [(rows[i], rows[g.members[0]], g.prefix_len - 1) for g in groups for i in g.members]
+        index = torch.tensor(pairs, dtype=torch.int64, device=req_to_token.device)
+        slots = req_to_token[index[:, :2].T, index[:, 2]]
+        return groups if bool((slots[0] == slots[1]).all()) else None
 
 
 class _Walk:
