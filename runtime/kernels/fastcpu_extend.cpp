@@ -130,14 +130,15 @@ void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const
 }
 
 // Scores of R query rows (bf16 pairs, interleaved: word i of row r at qp[i * R + r]) against NT key tiles from
-// `tile`: sc[r][j], scaled. Each broadcast query word feeds NT dot products (one per tile), so NT = 3 takes a third
+// `tile`: sc[r][j], unscaled (softmax_row applies the scale as it reads them). Each broadcast query word feeds NT
+// dot products (one per tile), so NT = 3 takes a third
 // of the broadcasts per product that one tile at a time did (R x NT = 24 accumulators, NT key vectors and a
 // broadcast in the 32 registers). The interleaved words are one pointer for all R rows: with a pointer per row the
 // loop needed more general registers than there are, and the compiler kept some in vector registers and a key
 // vector on the stack, reloaded before every other product.
 template <int R, int NT>
-inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float scale, float* sc,
-                        int64_t ldsc, bool kept, FetchCursor& fetch) {
+inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float* sc, int64_t ldsc,
+                        bool kept, FetchCursor& fetch) {
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -159,18 +160,18 @@ inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, i
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t)
-      _mm512_storeu_ps(sc + r * ldsc + (tile + t) * kKeys, _mm512_mul_ps(acc[r][t], _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(sc + r * ldsc + (tile + t) * kKeys, acc[r][t]);
 }
 
 // Scores of R query rows against key tiles [0, tiles). A score's sum over the dims runs in the same order
 // whichever pass computes it, so the bits do not depend on R or NT.
 template <int R>
-void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float scale, float* sc,
-                int64_t ldsc, bool kept, FetchCursor& fetch) {
+void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tiles, float* sc, int64_t ldsc,
+                bool kept, FetchCursor& fetch) {
   constexpr int NT = 24 / R;
   int64_t tile = 0;
-  for (; tile + NT <= tiles; tile += NT) score_tiles<R, NT>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
-  for (; tile < tiles; ++tile) score_tiles<R, 1>(qp, pairs, kp, tile, scale, sc, ldsc, kept, fetch);
+  for (; tile + NT <= tiles; tile += NT) score_tiles<R, NT>(qp, pairs, kp, tile, sc, ldsc, kept, fetch);
+  for (; tile < tiles; ++tile) score_tiles<R, 1>(qp, pairs, kp, tile, sc, ldsc, kept, fetch);
 }
 
 // Rows per block for `rows` rows per KV head over `hkv` heads on `threads` threads: 12 where that leaves the busiest
@@ -205,11 +206,15 @@ inline v16 exp16_softmax(v16 x) {
   return (v16)_mm512_scalef_ps(y, n);
 }
 
-// Row r's softmax over its first len keys: writes its probabilities as bf16 pairs (zero from len on, up to
-// `padded` keys, a multiple of 32) and returns (max, sum). The probabilities go from the exponential straight to
-// their bf16 pairs, 32 keys at a time: writing them back as fp32 and converting in another pass (with a pass to
-// zero the padding) took a third of the kernel's time at decode rows.
-std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded, uint32_t* pp) {
+// Row r's softmax over its first len keys of raw scores s (times `scale`, > 0): writes its probabilities as bf16
+// pairs (zero from len on, up to `padded` keys, a multiple of 32) and returns (max, sum), both of the scaled scores.
+// The probabilities go from the exponential straight to their bf16 pairs, 32 keys at a time: writing them back as
+// fp32 and converting in another pass (with a pass to zero the padding) took a third of the kernel's time at decode
+// rows. The scale is applied here, not in a pass of its own over the scores: at a prefill chunk's rows that pass
+// re-read and re-wrote a block's ~50 KB of scores from L2 and took ~8% of the kernel. Rounding is monotonic, so the
+// max of the rounded products is the rounded product of the max, and each probability sees the same product as
+// when the scores were stored scaled: the bits do not change.
+std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded, float scale, uint32_t* pp) {
   // The max 16 lanes at a time: a scalar pass is one dependent compare per key (~3 cycles each), which cost as
   // much as the row's score and value dot products together. Max is exact, so the result does not change.
   __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -217,13 +222,16 @@ std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded,
   for (; j + 16 <= len; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
   if (j < len) vmx = _mm512_mask_max_ps(vmx, static_cast<__mmask16>((1u << (len - j)) - 1u), vmx,
                                         _mm512_loadu_ps(s + j));
-  const float mx = _mm512_reduce_max_ps(vmx);
-  // 16 probabilities from key j: exp(s - max) up to len, zero past it
+  const float mx = _mm512_reduce_max_ps(vmx) * scale;
+  const __m512 sv = _mm512_set1_ps(scale);
+  // 16 probabilities from key j: exp(s * scale - max) up to len, zero past it
   const auto probs = [&](int64_t j0, v16& sum) {
     if (j0 >= len) return _mm512_setzero_ps();
     const __mmask16 live = j0 + 16 <= len ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (len - j0)) - 1u);
-    const v16 p = (v16)_mm512_maskz_mov_ps(live, (__m512)exp16_softmax(load(s + j0) - splat(mx)));
+    // an explicitly rounded product: under -ffp-contract=fast a plain one would fuse with the subtraction
+    const v16 scaled = (v16)_mm512_mul_round_ps((__m512)load(s + j0), sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16 p = (v16)_mm512_maskz_mov_ps(live, (__m512)exp16_softmax(scaled - splat(mx)));
     sum += p;
     return (__m512)p;
   };
@@ -275,9 +283,9 @@ fastcpu::TileConfig attention_tiles(int rows) {
 }
 
 // Scores of the block's rows (queries row-major: qrow [rows][pairs], pairs a multiple of 16) against key tiles
-// [0, tiles), scaled, into sc. A kept pack comes from memory: the next 4 key tiles are asked for while these run.
-void score_rows_amx(const uint32_t* qrow, int64_t pairs, int64_t rows, const uint16_t* kp, int64_t tiles, float scale,
-                    float* sc, int64_t ldsc, bool kept, FetchCursor& fetch) {
+// [0, tiles), unscaled, into sc. A kept pack comes from memory: the next 4 key tiles are asked for while these run.
+void score_rows_amx(const uint32_t* qrow, int64_t pairs, const uint16_t* kp, int64_t tiles, float* sc, int64_t ldsc,
+                    bool kept, FetchCursor& fetch) {
   const int64_t tile_elems = pairs * kKeys * 2;  // one key tile of the pack
   for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
     const int64_t nt = std::min<int64_t>(4, tiles - t0);
@@ -312,10 +320,6 @@ void score_rows_amx(const uint32_t* qrow, int64_t pairs, int64_t rows, const uin
     if (nt > 2) _tile_stored(2, out + 32, ldsc * 4);
     if (nt > 3) _tile_stored(3, out + 48, ldsc * 4);
   }
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < tiles * kKeys; j += 16)
-      _mm512_storeu_ps(sc + r * ldsc + j, _mm512_mul_ps(_mm512_loadu_ps(sc + r * ldsc + j), sv));
 }
 
 // out[r][:] = sum over key pairs [0, key_pairs) (a multiple of 16) of probabilities x values, on the tiles.
@@ -464,23 +468,24 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
         max_len = std::max(max_len, lens[t]);
       }
       const int64_t used_tiles = (max_len + kKeys - 1) / kKeys, used = used_tiles * kKeys;
+      // A kept pack comes from memory for the first block a thread runs of a head, which asks for it ahead of its
+      // dot products; the head's later blocks on this thread find it in L2 (~270 KB a head at a 1k-token prefix),
+      // where asking again for every line cost ~7% of a prefill chunk's call.
+      const bool fetch_pack = packed.has_value() && (item == begin || item % blocks == 0);
       const int64_t used_even = (used + 31) / 32 * 32;  // the pair conversion runs 32 keys at a time
 #ifdef FASTCPU_AMX
       if (on_tiles)
-        score_rows_amx(qp, pairs, nrows, kp, used_tiles, static_cast<float>(scale), sc, padded, packed.has_value(),
-                       ahead);
+        score_rows_amx(qp, pairs, kp, used_tiles, sc, padded, fetch_pack, ahead);
       else
 #endif
       if (brows == kWideRows)
-        score_rows<kWideRows>(qp, pairs, kp, used_tiles, static_cast<float>(scale), sc, padded,
-                              packed.has_value(), ahead);
+        score_rows<kWideRows>(qp, pairs, kp, used_tiles, sc, padded, fetch_pack, ahead);
       else
-        score_rows<kRows>(qp, pairs, kp, used_tiles, static_cast<float>(scale), sc, padded,
-                          packed.has_value(), ahead);
+        score_rows<kRows>(qp, pairs, kp, used_tiles, sc, padded, fetch_pack, ahead);
       float mx[kWideRows], total[kWideRows];
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group;
-        std::tie(mx[r], total[r]) = softmax_row(sc + r * padded, lens[t], used_even,
+        std::tie(mx[r], total[r]) = softmax_row(sc + r * padded, lens[t], used_even, static_cast<float>(scale),
                                                 pp + r * padded / 2);
       }
       const int64_t key_pairs = used / 2;
