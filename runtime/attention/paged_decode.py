@@ -20,9 +20,10 @@ so a group's decode steps pack it once.
 
 An int8 pool (``--kv-cache-dtype int8``, ``radix/kv_int8.py``) is read by the decode kernel as stored (each row's
 scale applied to its score and its weight) and written by ``store_kv``, which quantises. For a bf16 model the GEMM
-kernel takes its long chunks' rows dequantised to bf16, and a cascade group's shared prefix is dequantised once
-into the pack kept for the group, so its decode steps read the pack as a bf16 pool's group does. An fp32 model's
-long chunks and shared prefixes take the gather path, which dequantises what it gathers.
+kernel reads it too, converting each row to bf16 (the bits torch's dequantisation gives) as it packs the rows: a long
+chunk's prefix per call, a cascade group's shared prefix once into the pack kept for the group, so its decode steps
+read the pack as a bf16 pool's group does. An fp32 model's long chunks and shared prefixes take the gather path,
+which dequantises what it gathers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any
 import torch
 
 from radix.hugepages import ALIGN, HugePageArena, huge_pages_mode
-from radix.kv_int8 import dequantize_slots
 from radix.kv_storage import KVStorage
 from runtime.attention.base import AttentionShape
 from runtime.kernels import kernel_input
@@ -83,8 +83,9 @@ class PagedDecodeKernel:
 
     @staticmethod
     def rows_dtype(pool: torch.Tensor, q: torch.Tensor) -> torch.dtype:
-        """The dtype a pool's rows reach the GEMM kernel in: their own, or for an int8 pool the queries' (a chunk's
-        rows are dequantised for it: 1,024-token prefills ran at 0.57-0.67x the speed through the gather path)."""
+        """The dtype a pool's rows reach the GEMM kernel in: their own, or for an int8 pool the queries' (the kernel
+        converts an int8 pool's rows to bf16 as it packs them, so bf16 queries take it: 1,024-token prefills ran at
+        0.57-0.67x the speed through the gather path)."""
         return q.dtype if pool.dtype == torch.int8 else pool.dtype
 
 
@@ -130,8 +131,6 @@ class PagedDecodeKernel:
         e = q.shape[0]
         lengths = torch.arange(prefix + 1, prefix + e + 1, dtype=torch.int64)
         if self.gemm(e, self.rows_dtype(k_pool, q)):
-            if k_pool.dtype == torch.int8:  # the GEMM kernel packs bf16 rows: this request's, dequantised once
-                k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, q.dtype)
             return self._gemm(q, k_pool, v_pool, kv_index, lengths)
         return self.run(q, k_pool, v_pool, kv_index.view(1, -1), lengths, torch.zeros(e, dtype=torch.int64))
 
@@ -147,15 +146,13 @@ class PagedDecodeKernel:
         batch of decode rows under a 1,000-token prefix; the group's next decode steps then skip it."""
         lengths = torch.full((q.shape[0],), kv_index.numel(), dtype=torch.int64)
         packed = self.prefix_pack(k_pool, v_pool, kv_index, layer, reuse, q.dtype)
-        if packed is None and k_pool.dtype == torch.int8:  # nothing kept: this call's rows, dequantised
-            k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, q.dtype)
         return self._gemm(q, k_pool, v_pool, kv_index, lengths, packed)
 
     def prefix_pack(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor, layer: int,
                     reuse: Hashable | None, dtype: torch.dtype) -> list[torch.Tensor] | None:
         """The packed prefix (pack_prefix's (K, V), in ``dtype``: the rows' :meth:`rows_dtype`) of one layer's slots
         ``kv_index`` kept under ``reuse``, packed now if it is not yet and the budget allows (an int8 pool's rows
-        dequantised first); None where nothing is kept (no key, or over the budget)."""
+        converted to bf16 by the kernel as it packs them); None where nothing is kept (no key, or over the budget)."""
         if reuse is None:
             return None
         layers = self._packed.setdefault(reuse, {})
@@ -165,8 +162,6 @@ class PagedDecodeKernel:
             padded = -(-kv_index.numel() // 32) * 32
             need = 2 * self.shape.num_kv_heads * padded * self.shape.head_dim * dtype.itemsize
             if self._packed_bytes + need <= PACKED_PREFIX_BYTES:
-                if k_pool.dtype == torch.int8:
-                    k_pool, v_pool, kv_index = self._dequantised(k_pool, v_pool, kv_index, dtype)
                 packed = self.kernels.pack_prefix(k_pool, v_pool, kv_index, self.shape.num_kv_heads,
                                                   self.shape.head_dim)
                 layers[where] = packed
@@ -202,14 +197,6 @@ class PagedDecodeKernel:
         for where, pack in layers.items():
             layers[where] = moved.get(id(pack), pack)
         return [moved[id(pack)] if pack is not None else None for pack in packs]
-
-    def _dequantised(self, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_index: torch.Tensor,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows ``kv_index`` of two int8 pools as ``dtype`` pools of their own, with the index into them."""
-        idx = kv_index.reshape(-1)
-        k_rows, v_rows = (dequantize_slots(pool.index_select(0, idx), self.shape.num_kv_heads, dtype)
-                          for pool in (k_pool, v_pool))
-        return k_rows, v_rows, torch.arange(idx.numel())
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, o_shared: torch.Tensor, lse_shared: torch.Tensor) -> None:
         """A cascade group's rows: ``out`` ``[n, H, D]`` over their own KV (log-sum-exp ``lse`` ``[n, H]``) merged in

@@ -1,6 +1,7 @@
 // extend_attention: many new tokens of one request (a prefill chunk over a cached prefix), or the query rows
-// of a cascade group against its shared prefix, attending one row of slots of a bf16 KV pool, with AVX512_BF16
-// dot products.
+// of a cascade group against its shared prefix, attending one row of slots of a KV pool, with AVX512_BF16 dot
+// products. A bf16 pool's rows are packed as they are, an int8 pool's (radix/kv_int8.py) converted to bf16 as they
+// are packed.
 //
 // Why: decode_attention (fastcpu_attention.cpp) scores a handful of query heads per pass over the KV with
 // fp32 FMAs, which is right for decode rows and drafts but makes a 100-token chunk over a 1k-token prefix pass
@@ -8,10 +9,10 @@
 // once per KV head into the layout vdpbf16ps takes, and the scores and the weighted sum of values are two small
 // GEMMs per block of query rows (all query heads of all tokens that share a KV head are rows).
 //
-// Numerics: queries are rounded to bf16 (they are bf16 tensors already when the pool is bf16, the only case
-// this kernel takes); scores are fp32 sums of bf16 products, times the scale, in fp32; the softmax is fp32 (its
-// sum too); the probabilities are rounded to bf16 for the weighted sum of values, which accumulates in fp32 —
-// as torch's CPU flash attention does for bf16 inputs. Token t sees slots kv_index[0 .. lengths[t] - 1].
+// Numerics: queries are rounded to bf16 (they are bf16 tensors already where the model runs in bf16); scores are
+// fp32 sums of bf16 products, times the scale, in fp32; the softmax is fp32 (its sum too); the probabilities are
+// rounded to bf16 for the weighted sum of values, which accumulates in fp32 — as torch's CPU flash attention does for
+// bf16 inputs. Token t sees slots kv_index[0 .. lengths[t] - 1].
 //
 // Built only where FASTCPU_BF16_DOT is set (fastcpu_vec.h); bf16_dot() tells (the callers check it).
 //
@@ -23,6 +24,7 @@
 #include "fastcpu_fetch.h"
 #include "fastcpu_vec.h"
 
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -70,19 +72,58 @@ inline void transpose_words16(const uint32_t* const* rows, int64_t col0, uint32_
   }
 }
 
+// One layer's K and V pools as the packing reads them: rows of bf16 values, or of the int8 format (head_dim int8
+// values, then the row's float32 scale: radix/kv_int8.py), converted to bf16 as they are packed.
+struct PoolRows {
+  const char* k;
+  const char* v;
+  int64_t slot_bytes;  // a slot's row over all KV heads
+  int64_t head_bytes;  // one head's part of it
+  bool int8;
+};
+
+// An int8 row's values as bf16: value x scale in fp32, rounded to nearest even, as radix/kv_int8.py's dequantize
+// computes them and torch rounds them to bfloat16 (the same bits as packing its dequantised rows, which the
+// callers did before: per layer, an index_select and four torch ops over the whole prefix, ~18% of a prefill
+// step over a cached block).
+inline void int8_row_bf16(const char* row, int64_t d, uint16_t* out) {
+  float scale;
+  std::memcpy(&scale, row + d, sizeof scale);
+  const __m512 sv = _mm512_set1_ps(scale);
+  const auto part = [&](int64_t c) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), sv);
+  };
+  for (int64_t c = 0; c < d; c += 32)
+    _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(part(c + 16), part(c)));
+}
+
 // K of one KV head as tiles of 16 keys: [tiles][D/2][16 keys][2] — for each pair of dims, the 16 keys' two
 // values side by side (vdpbf16ps's operand). V as pairs of keys: [S/2][D][2] — for each pair of keys, every
 // dim's two values side by side. Both take 16 * D values per tile. Keys past S are zero. Packs tile `tile`.
-void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride, int64_t head_off,
-               const int64_t* slots, int64_t s, int64_t d, int64_t tile, uint16_t* kp, uint16_t* vp) {
+void pack_tile(const PoolRows& pool, int64_t kvh, const int64_t* slots, int64_t s, int64_t d, int64_t tile,
+               uint16_t* kp, uint16_t* vp) {
   static const uint16_t zeros[kMaxDim] = {};
+  alignas(64) uint16_t kbuf[kKeys][kMaxDim], vbuf[kKeys][kMaxDim];  // an int8 pool's rows in bf16
   const int64_t pairs = d / 2;
   const uint16_t* krow[kKeys];
   const uint16_t* vrow[kKeys];
   for (int64_t key = 0; key < kKeys; ++key) {
     const int64_t j = tile * kKeys + key;
-    krow[key] = j < s ? kpool + slots[j] * slot_stride + head_off : zeros;
-    vrow[key] = j < s ? vpool + slots[j] * slot_stride + head_off : zeros;
+    if (j >= s) {
+      krow[key] = vrow[key] = zeros;
+      continue;
+    }
+    const int64_t off = slots[j] * pool.slot_bytes + kvh * pool.head_bytes;
+    if (pool.int8) {
+      int8_row_bf16(pool.k + off, d, kbuf[key]);
+      int8_row_bf16(pool.v + off, d, vbuf[key]);
+      krow[key] = kbuf[key];
+      vrow[key] = vbuf[key];
+    } else {
+      krow[key] = reinterpret_cast<const uint16_t*>(pool.k + off);
+      vrow[key] = reinterpret_cast<const uint16_t*>(pool.v + off);
+    }
   }
   // K: a dim pair is one 32-bit word of a key's row, so the tile is a 16 x D/2 transpose of words.
   uint32_t* kt = reinterpret_cast<uint32_t*>(kp + tile * kKeys * d);
@@ -103,30 +144,36 @@ void pack_tile(const uint16_t* kpool, const uint16_t* vpool, int64_t slot_stride
 }
 
 // Every tile of every KV head of the slots [S]: kp and vp each [Hkv][padded][D] (padded: S rounded up to 32).
-void pack_heads(const uint16_t* kpool, const uint16_t* vpool, int64_t hkv, int64_t d, const int64_t* slots, int64_t s,
-                int64_t padded, uint16_t* kp, uint16_t* vp) {
+void pack_heads(const PoolRows& pool, int64_t hkv, int64_t d, const int64_t* slots, int64_t s, int64_t padded,
+                uint16_t* kp, uint16_t* vp) {
   const int64_t tiles = padded / kKeys;
   at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / tiles;
-      pack_tile(kpool, vpool, hkv * d, kvh * d, slots, s, d, item % tiles, kp + kvh * padded * d,
-                vp + kvh * padded * d);
+      pack_tile(pool, kvh, slots, s, d, item % tiles, kp + kvh * padded * d, vp + kvh * padded * d);
     }
   });
 }
 
-// The checks both entry points make on the pools and the slot row.
-void check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& kv_index, int64_t hkv,
-                 int64_t d) {
+// The checks both entry points make on the pools and the slot row; the pools as pack_heads reads them.
+PoolRows check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& kv_index,
+                     int64_t hkv, int64_t d) {
   TORCH_CHECK(d == 64 || d == 128, "head dim must be 64 or 128");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == torch::kBFloat16 &&
-              v_pool.scalar_type() == torch::kBFloat16 && k_pool.numel() % (hkv * d) == 0 &&
-              v_pool.numel() == k_pool.numel(), "KV pools must be contiguous bfloat16 [slots, kv_heads * head_dim]");
+  const bool int8 = k_pool.scalar_type() == torch::kChar;
+  const int64_t row = int8 ? d + 4 : d;  // a head's row: its values (and an int8 row's scale)
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  (k_pool.scalar_type() == torch::kBFloat16 || int8) && v_pool.scalar_type() == k_pool.scalar_type() &&
+                  k_pool.numel() % (hkv * row) == 0 && v_pool.numel() == k_pool.numel(),
+              "KV pools must be contiguous [slots, kv_heads * head_dim] bfloat16, or int8 with head_dim + 4 bytes "
+              "per head (the int8 format)");
   TORCH_CHECK(kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64, "kv_index must be int64 [S]");
-  const int64_t rows = k_pool.numel() / (hkv * d);
+  const int64_t rows = k_pool.numel() / (hkv * row);
   const int64_t* slots = kv_index.data_ptr<int64_t>();
   for (int64_t j = 0; j < kv_index.size(0); ++j)
     TORCH_CHECK(slots[j * kv_index.stride(0)] >= 0 && slots[j * kv_index.stride(0)] < rows, "slot out of range");
+  const int64_t elem = int8 ? 1 : 2;
+  return {static_cast<const char*>(k_pool.data_ptr()), static_cast<const char*>(v_pool.data_ptr()),
+          hkv * row * elem, row * elem, int8};
 }
 
 // Scores of R query rows (bf16 pairs, interleaved: word i of row r at qp[i * R + r]) against NT key tiles from
@@ -349,14 +396,13 @@ std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_poo
                                        int64_t num_kv_heads, int64_t head_dim) {
 #ifdef FASTCPU_BF16_DOT
   const int64_t hkv = num_kv_heads, d = head_dim;
-  check_pools(k_pool, v_pool, kv_index, hkv, d);
+  const PoolRows pools = check_pools(k_pool, v_pool, kv_index, hkv, d);
   kv_index = kv_index.contiguous();
   const int64_t s = kv_index.size(0), padded = (s + 31) / 32 * 32;
-  auto opts = k_pool.options();
+  auto opts = k_pool.options().dtype(torch::kBFloat16);
   torch::Tensor kp = torch::empty({hkv, padded, d}, opts), vp = torch::empty({hkv, padded, d}, opts);
-  pack_heads(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
-             reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), hkv, d,
-             kv_index.data_ptr<int64_t>(), s, padded, reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>()),
+  pack_heads(pools, hkv, d, kv_index.data_ptr<int64_t>(), s, padded,
+             reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>()),
              reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>()));
   return {kp, vp};
 #else
@@ -379,11 +425,12 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   q = fastcpu::float_queries(q);
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
-  if (packed.has_value()) {  // the pack holds the prefix's K and V, so the pools are not read (an int8 pool's included)
+  std::optional<PoolRows> pools;
+  if (packed.has_value()) {  // the pack holds the prefix's K and V, so the pools are not read
     TORCH_CHECK((d == 64 || d == 128) && kv_index.dim() == 1 && kv_index.scalar_type() == torch::kInt64,
                 "head dim must be 64 or 128 and kv_index int64 [S]");
   } else {
-    check_pools(k_pool, v_pool, kv_index, hkv, d);
+    pools = check_pools(k_pool, v_pool, kv_index, hkv, d);
   }
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.numel() == t_count, "lengths must be int64 [T]");
   kv_index = kv_index.contiguous();
@@ -412,9 +459,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   } else {  // every element is written by pack_tile: no zero fill (new[] leaves them uninitialised)
     kown.reset(new uint16_t[hkv * padded * d]);
     vown.reset(new uint16_t[hkv * padded * d]);
-    pack_heads(reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), hkv, d,
-               kv_index.data_ptr<int64_t>(), s, padded, kown.get(), vown.get());
+    pack_heads(*pools, hkv, d, kv_index.data_ptr<int64_t>(), s, padded, kown.get(), vown.get());
     kpack = kown.get();
     vpack = vown.get();
   }

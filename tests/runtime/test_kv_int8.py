@@ -110,6 +110,29 @@ def test_decode_kernel_over_an_int8_pool_equals_attention_over_the_dequantised_r
         torch.testing.assert_close(lse[b].double(), exact_lse, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(), reason="extend_attention needs AVX512_BF16")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_extend_kernel_reads_an_int8_pool_as_its_dequantised_bf16_rows(k, dim):
+    """The GEMM kernel converts an int8 pool's rows to bf16 as it packs them: its packs, and its attention for a
+    prefill chunk over scattered slots, are the same bits as over the bf16 pool torch's dequantisation gives."""
+    g = torch.Generator().manual_seed(3)
+    kv_heads, heads, pool, prefix, chunk = 3, 9, 2500, 1050, 40
+    k_rows = quantize(torch.randn(pool, kv_heads, dim, generator=g) * 3)
+    v_rows = quantize(torch.randn(pool, kv_heads, dim, generator=g))
+    k_rows[17, 1] = quantize(torch.zeros(dim))  # an all-zero row: values and scale 0
+    k8, v8 = k_rows.view(pool, -1), v_rows.view(pool, -1)
+    k16, v16 = (dequantize(r, torch.bfloat16).view(pool, -1) for r in (k_rows, v_rows))
+    index = torch.randperm(pool, generator=g)[: prefix + chunk]
+    index[5] = 17
+    for a, b in zip(k.pack_prefix(k8, v8, index, kv_heads, dim), k.pack_prefix(k16, v16, index, kv_heads, dim)):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    q = torch.randn(chunk, heads, dim, generator=g).bfloat16()
+    lengths = torch.arange(prefix + 1, prefix + chunk + 1)
+    got = k.extend_attention(q, k8, v8, index, lengths, dim**-0.5, kv_heads, None)
+    want = k.extend_attention(q, k16, v16, index, lengths, dim**-0.5, kv_heads, None)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
 def test_int8_rows_hold_nearly_twice_the_tokens_of_bf16():
     bf16 = KVShape(30, 3, 64, torch.bfloat16)
     int8 = KVShape(30, 3, 64, torch.bfloat16, int8=True)
