@@ -41,6 +41,7 @@ constexpr int64_t kKeys = 16;  // keys per score tile: one vector of fp32 scores
 // the blocks more evenly between the threads (see block_rows). A row's result does not depend on its block.
 constexpr int kRows = 8;
 constexpr int kWideRows = 12;
+constexpr int kTileRows = 16;  // on the tiles (AMX) only: a whole A tile of query rows
 constexpr int kPvRows = 4;  // query rows per pass of the value sum (4 rows x D/16 accumulators)
 constexpr int64_t kMaxDim = 128;
 
@@ -223,13 +224,17 @@ void score_rows(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t t
 
 // Rows per block for `rows` rows per KV head over `hkv` heads on `threads` threads: 12 where that leaves the busiest
 // thread fewer rows than blocks of 8 do (a batch-8 decode group under a shared prefix: 24 rows x 3 KV heads made 9
-// blocks of 8, 5 and 4 on two threads; 6 blocks of 12 split 3 and 3), else 8. Only the work split changes.
-int64_t block_rows(int64_t rows, int64_t hkv, int64_t threads) {
+// blocks of 8, 5 and 4 on two threads; 6 blocks of 12 split 3 and 3), else 8. On the tiles, 16 where that leaves
+// the busiest thread no more rows than those (a prefill chunk's many rows): a block's passes over the keys cost about
+// as much at 16 rows as at 12, as the tile instructions' time grows little with their rows, so 16-row blocks take
+// three quarters of the passes. Only the work split changes.
+int64_t block_rows(int64_t rows, int64_t hkv, int64_t threads, bool tiles) {
   const auto busiest = [&](int64_t r) {
     const int64_t blocks = (rows + r - 1) / r;
     return (hkv * blocks + threads - 1) / threads * std::min(r, rows);
   };
-  return busiest(kWideRows) < busiest(kRows) ? kWideRows : kRows;
+  const int64_t narrow = busiest(kWideRows) < busiest(kRows) ? kWideRows : kRows;
+  return tiles && rows >= kTileRows && busiest(kTileRows) <= busiest(narrow) ? kTileRows : narrow;
 }
 
 // exp(x) for the softmax's x = score - max <= 0: a degree-6 Taylor polynomial on the reduced argument
@@ -441,7 +446,13 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   // keys padded to a multiple of 32: the probabilities become bf16 pairs 32 keys at a time
   const int64_t padded = (s + 31) / 32 * 32;
   const int64_t rows = t_count * group;
-  const int64_t brows = block_rows(rows, hkv, at::get_num_threads()), blocks = (rows + brows - 1) / brows;
+#ifdef FASTCPU_AMX
+  const bool on_tiles = fastcpu::amx_permitted();
+#else
+  const bool on_tiles = false;
+#endif
+  const int64_t brows = block_rows(rows, hkv, at::get_num_threads(), on_tiles);
+  const int64_t blocks = (rows + brows - 1) / brows;
   auto opts = q.options().dtype(torch::kFloat32);
   torch::Tensor out = torch::empty({t_count, h, d}, opts);
   torch::Tensor lse = torch::empty({t_count, h}, opts);
@@ -474,10 +485,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     return nrows * keys;
   };
 #ifdef FASTCPU_AMX
-  const bool on_tiles = fastcpu::amx_permitted();
   const fastcpu::TileConfig tile_config = attention_tiles(static_cast<int>(brows));
-#else
-  const bool on_tiles = false;
 #endif
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
     FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
@@ -527,7 +535,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
         score_rows<kWideRows>(qp, pairs, kp, used_tiles, sc, padded, fetch_pack, ahead);
       else
         score_rows<kRows>(qp, pairs, kp, used_tiles, sc, padded, fetch_pack, ahead);
-      float mx[kWideRows], total[kWideRows];
+      float mx[kTileRows], total[kTileRows];
       for (int64_t r = 0; r < nrows; ++r) {
         const int64_t t = (r0 + r) / group;
         std::tie(mx[r], total[r]) = softmax_row(sc + r * padded, lens[t], used_even, static_cast<float>(scale),
