@@ -123,16 +123,14 @@ class TorchNativeBackend(AttentionBackend):
         shared: list[SharedRead] = []
         dec = meta.decode
         if casc is not None:  # every row in a group, in order (then meta.decode is None): see forward
-            # kv.shape.dtype: the dtype the rows reach the kernel in (an int8 pool's dequantised into the packs)
+            # kv.shape.dtype: the dtype the rows reach the kernel in (an int8 pool's converted as they are packed)
             if dec is not None or casc.rows is not None or casc.prefills or not self.paged.gemm_shared(
                     batch.kv.shape.dtype):
                 return None
             dec = casc.decode
             shared = [SharedRead(p.start, p.end, p.slots, self.paged.layer_packs(batch.kv, p.slots, p.reuse_key))
                       for p in casc.shared]
-            # the stack packs a group's prefix from the pool when nothing is kept: a bf16 pool's only
-            if batch.kv.shape.int8 and any(pack is None for read in shared for pack in read.packs):
-                return None
+            # where nothing is kept (over the budget) the stack's kernel packs the prefix from the pool, int8 or bf16
         if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
         return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)

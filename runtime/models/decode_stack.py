@@ -10,8 +10,9 @@ It is built where that path would run the packed kernels for every layer: a CPU 
 torch_native backend reading the pool in place, no tensor parallelism, no per-head q/k norm (Qwen3), activations in
 float32 or bfloat16. Per batch it takes decode rows only (no prefill chunk) of up to the rows the packed kernels take,
 with a pool in the activations' dtype or the int8 format, either outside cascade groups or all in groups whose shared
-prefix goes through the GEMM kernel (bf16 activations, where the CPU has AVX512_BF16; over an int8 pool, from the
-dequantised packs the backend keeps): a few-shot batch decoding under its shared block. Any other batch runs layer
+prefix goes through the GEMM kernel (bf16 activations, where the CPU has AVX512_BF16; the packs the backend keeps, or
+packed from the pool per call, an int8 pool's rows converted as they are packed): a few-shot batch decoding under its
+shared block. Any other batch runs layer
 by layer.
 """
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from runtime.attention import paged_decode
 from runtime.config import aten_cpu_capability
 from runtime.engine import Engine
 from runtime.models.decode_stack import DecodeStack
@@ -17,7 +18,7 @@ from tests.conftest import checked_engine
 pytestmark = pytest.mark.slow
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-           "int8-kv": {"kv_cache_dtype": "int8"}}
+           "int8-kv": {"kv_cache_dtype": "int8"}, "int8-kv, no pack kept": {"kv_cache_dtype": "int8"}}
 
 
 class CountedStack:
@@ -48,8 +49,10 @@ def generate(eng: Engine, prompts: list[list[int]]) -> list[tuple[list[int], lis
     "float32",
     pytest.param("bfloat16", marks=pytest.mark.skipif(
         aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
-    "int8", "int8-kv"])
-def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
+    "int8", "int8-kv", "int8-kv, no pack kept"])
+def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt, monkeypatch):
+    if fmt.endswith("no pack kept"):  # no room for packs: each call packs a group's prefix from the int8 pool itself
+        monkeypatch.setattr(paged_decode, "PACKED_PREFIX_BYTES", 0)
     rng = random.Random(3)
     shared = [rng.randrange(3, 49000) for _ in range(90)]
     # one alone, then three sharing a prefix and a fourth of another length: batches of 1 and 4 decode rows,
@@ -68,7 +71,7 @@ def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt):
         assert counted.taken >= 2 * 11 - 2, "decode steps ran without the stack"
         assert counted.declined > 0, "no mixed step reached the stack"
         # cascade groups go through the stack where their shared part takes the GEMM kernel (rows reaching it in
-        # bf16: a bf16 pool, or an int8 pool under a bf16 model, dequantised into the kept packs)
+        # bf16: a bf16 pool, or an int8 pool under a bf16 model, converted as the kernel packs them)
         gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
         assert (counted.taken_grouped >= 5) == gemm_shared
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))

@@ -330,9 +330,9 @@ def test_long_chunks_over_a_bf16_pool_equal_the_gather_path_inside_the_backend(l
 
 
 @requires_bf16_dot
-def test_an_int8_groups_prefix_over_the_pack_budget_is_dequantised_per_call(monkeypatch):
-    """With no room to keep a pack, a group's shared prefix over an int8 pool is dequantised for each call, and the
-    native decode stack (which packs from the pool itself, a bf16 pool only) is not offered the batch."""
+def test_an_int8_groups_prefix_over_the_pack_budget_is_packed_per_call(monkeypatch):
+    """With no room to keep a pack, a group's shared prefix over an int8 pool is packed from the pool for each call
+    (the kernel converts the rows), and the native decode stack, which does the same, is still offered the batch."""
     from runtime.attention import paged_decode
 
     monkeypatch.setattr(paged_decode, "PACKED_PREFIX_BYTES", 0)
@@ -345,7 +345,8 @@ def test_an_int8_groups_prefix_over_the_pack_budget_is_dequantised_per_call(monk
         backend.plan(batch)
         assert batch.attn_metadata.cascade is not None
         if backend is fast:
-            assert backend.decode_in_place(batch) is None
+            reads = backend.decode_in_place(batch)
+            assert reads is not None and all(pack is None for read in reads.shared for pack in read.packs)
         outs.append(backend.forward(q, k_new, v_new, 0, batch).float())
     assert fast.paged is not None and all(not fast.paged.kept(key) for key in fast.paged.kept_keys)
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
