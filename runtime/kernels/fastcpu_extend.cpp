@@ -85,8 +85,8 @@ struct PoolRows {
 
 // An int8 row's values as bf16: value x scale in fp32, rounded to nearest even, as radix/kv_int8.py's dequantize
 // computes them and torch rounds them to bfloat16 (the same bits as packing its dequantised rows, which the
-// callers did before: per layer, an index_select and four torch ops over the whole prefix, ~18% of a prefill
-// step over a cached block).
+// callers did before: per layer, an index_select and four torch ops over the whole prefix, 18% of the forward's
+// samples in a profile of single questions over a cached block).
 inline void int8_row_bf16(const char* row, int64_t d, uint16_t* out) {
   float scale;
   std::memcpy(&scale, row + d, sizeof scale);
