@@ -179,11 +179,10 @@ PoolRows check_pools(const torch::Tensor& k_pool, const torch::Tensor& v_pool, c
 
 // Scores of R query rows (bf16 pairs, interleaved: word i of row r at qp[i * R + r]) against NT key tiles from
 // `tile`: sc[r][j], unscaled (softmax_row applies the scale as it reads them). Each broadcast query word feeds NT
-// dot products (one per tile), so NT = 3 takes a third
-// of the broadcasts per product that one tile at a time did (R x NT = 24 accumulators, NT key vectors and a
-// broadcast in the 32 registers). The interleaved words are one pointer for all R rows: with a pointer per row the
-// loop needed more general registers than there are, and the compiler kept some in vector registers and a key
-// vector on the stack, reloaded before every other product.
+// dot products (one per tile), so NT = 3 takes a third of the broadcasts per product that one tile at a time did
+// (R x NT = 24 accumulators, NT key vectors and a broadcast in the 32 registers). The interleaved words are one
+// pointer for all R rows: with a pointer per row the loop needed more general registers than there are, and the
+// compiler kept some in vector registers and a key vector on the stack, reloaded before every other product.
 template <int R, int NT>
 inline void score_tiles(const uint32_t* qp, int64_t pairs, const uint16_t* kp, int64_t tile, float* sc, int64_t ldsc,
                         bool kept, FetchCursor& fetch) {
@@ -282,7 +281,8 @@ std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded,
     const __mmask16 live = j0 + 16 <= len ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (len - j0)) - 1u);
     // an explicitly rounded product: under -ffp-contract=fast a plain one would fuse with the subtraction
-    const v16 scaled = (v16)_mm512_mul_round_ps((__m512)load(s + j0), sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16 scaled =
+        (v16)_mm512_mul_round_ps((__m512)load(s + j0), sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const v16 p = (v16)_mm512_maskz_mov_ps(live, (__m512)exp16_softmax(scaled - splat(mx)));
     sum += p;
     return (__m512)p;
