@@ -21,10 +21,10 @@
 // value sum; the queries (row-major) and the probabilities are the A tiles. The softmax between them is the same.
 
 #include "fastcpu_amx.h"
+#include "fastcpu_attend.h"
 #include "fastcpu_fetch.h"
 #include "fastcpu_vec.h"
 
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -87,10 +87,8 @@ struct PoolRows {
 // computes them and torch rounds them to bfloat16 (the same bits as packing its dequantised rows, which the
 // callers did before: per layer, an index_select and four torch ops over the whole prefix, 18% of the forward's
 // samples in a profile of single questions over a cached block).
-inline void int8_row_bf16(const char* row, int64_t d, uint16_t* out) {
-  float scale;
-  std::memcpy(&scale, row + d, sizeof scale);
-  const __m512 sv = _mm512_set1_ps(scale);
+inline void int8_row_bf16(const int8_t* row, int64_t d, uint16_t* out) {
+  const __m512 sv = _mm512_set1_ps(fastcpu::attend::row_scale(row, d));
   const auto part = [&](int64_t c) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), sv);
@@ -117,8 +115,8 @@ void pack_tile(const PoolRows& pool, int64_t kvh, const int64_t* slots, int64_t 
     }
     const int64_t off = slots[j] * pool.slot_bytes + kvh * pool.head_bytes;
     if (pool.int8) {
-      int8_row_bf16(pool.k + off, d, kbuf[key]);
-      int8_row_bf16(pool.v + off, d, vbuf[key]);
+      int8_row_bf16(reinterpret_cast<const int8_t*>(pool.k + off), d, kbuf[key]);
+      int8_row_bf16(reinterpret_cast<const int8_t*>(pool.v + off), d, vbuf[key]);
       krow[key] = kbuf[key];
       vrow[key] = vbuf[key];
     } else {
