@@ -234,24 +234,23 @@ int64_t block_rows(int64_t rows, int64_t hkv, int64_t threads, bool tiles) {
   return tiles && rows >= kTileRows && busiest(kTileRows) <= busiest(narrow) ? kTileRows : narrow;
 }
 
-// exp(x) for the softmax's x = score - max <= 0: a degree-6 Taylor polynomial on the reduced argument
-// (|r| <= ln(2) / 2: relative error below 1.7e-7, exp16's order, so the bf16 rounding of a probability changes as
-// rarely as with exp16) and no upper clamp, as x is never positive: twelve operations where exp16 takes fifteen,
-// in the softmax, which took a fifth of the kernel at decode rows. 2^n comes from vscalefps, which gives 0 for the
-// clamped x = -87.3 and below.
-inline v16 exp16_softmax(v16 x) {
-  const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.0f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+// 2^t for the softmax's t = (score - max) x log2(e) <= 0: 2^n (vscalefps) times a degree-5 polynomial of the
+// fraction f = t - n, |f| <= 1/2 (fitted for the least relative error over that interval: below 1e-7, the order of
+// exp16's, so the bf16 rounding of a probability changes as rarely). Where exp16 reduces x by n ln 2 in two steps and
+// takes a degree-6 polynomial, the base-2 argument needs no reduction and one term less: eleven operations instead
+// of sixteen, in the pass that was the kernel's largest. t is clamped at -125, where 2^t is still a normal float
+// (a subnormal result costs a microcode assist); such a probability is far below the bf16 resolution of the row's
+// largest, which is 1.
+inline v16 exp2_softmax(v16 t) {
+  const __m512 tc = _mm512_max_ps((__m512)t, _mm512_set1_ps(-125.0f));
+  const __m512 n = _mm512_roundscale_ps(tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(tc, n);
+  __m512 y = _mm512_set1_ps(1.327647129e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.675540961e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550713092e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402212024e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931469440e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.000000119f));
   return (v16)_mm512_scalef_ps(y, n);
 }
 
@@ -259,38 +258,57 @@ inline v16 exp16_softmax(v16 x) {
 // pairs (zero from len on, up to `padded` keys, a multiple of 32) and returns (max, sum), both of the scaled scores.
 // The probabilities go from the exponential straight to their bf16 pairs, 32 keys at a time: writing them back as
 // fp32 and converting in another pass (with a pass to zero the padding) took a third of the kernel's time at decode
-// rows. The scale is applied here, not in a pass of its own over the scores: at a prefill chunk's rows that pass
-// re-read and re-wrote a block's ~50 KB of scores from L2 and took ~8% of the kernel. Rounding is monotonic, so the
-// max of the rounded products is the rounded product of the max, and each probability sees the same product as
-// when the scores were stored scaled: the bits do not change.
+// rows. The scale is applied here, not in a pass of its own over the scores (at a prefill chunk's rows that pass
+// re-read and re-wrote a block's ~50 KB of scores from L2 and took ~8% of the kernel): a probability is
+// 2^(s c - m), c = scale x log2(e) and m = max(s) x c, the product and the difference rounded once (one fmsub).
+//
+// Both passes keep several vectors in flight. One exponential is a chain of ~10 dependent operations; the loops that
+// took one 16-key vector at a time, and the max through one register, ran at the chains' latency rather than the
+// ports' rate (in a loop over one row in L1: 13 cycles a vector for the old exponential one at a time, 11 four at a
+// time, 8.7 for exp2_softmax four at a time). The max takes four registers (max is exact: any order gives the same
+// result), the exponentials 64 keys at a time.
 std::pair<float, float> softmax_row(const float* s, int64_t len, int64_t padded, float scale, uint32_t* pp) {
-  // The max 16 lanes at a time: a scalar pass is one dependent compare per key (~3 cycles each), which cost as
-  // much as the row's score and value dot products together. Max is exact, so the result does not change.
-  __m512 vmx = _mm512_set1_ps(-INFINITY);
+  __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
   int64_t j = 0;
-  for (; j + 16 <= len; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + j));
-  if (j < len) vmx = _mm512_mask_max_ps(vmx, static_cast<__mmask16>((1u << (len - j)) - 1u), vmx,
-                                        _mm512_loadu_ps(s + j));
-  const float mx = _mm512_reduce_max_ps(vmx) * scale;
-  const __m512 sv = _mm512_set1_ps(scale);
-  // 16 probabilities from key j: exp(s * scale - max) up to len, zero past it
-  const auto probs = [&](int64_t j0, v16& sum) {
-    if (j0 >= len) return _mm512_setzero_ps();
+  for (; j + 64 <= len; j += 64) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
+    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
+    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
+  }
+  for (; j + 16 <= len; j += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
+  if (j < len) m1 = _mm512_mask_max_ps(m1, static_cast<__mmask16>((1u << (len - j)) - 1u), m1,
+                                       _mm512_loadu_ps(s + j));
+  const float smax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  const float c = scale * 1.44269504088896341f;
+  const __m512 cv = _mm512_set1_ps(c), mv = _mm512_set1_ps(smax * c);
+  // the probabilities of the 16 keys from j0, all below len
+  const auto live_exp = [&](int64_t j0) { return exp2_softmax((v16)_mm512_fmsub_ps(_mm512_loadu_ps(s + j0), cv, mv)); };
+  // the same up to len, zero past it
+  const auto tail_exp = [&](int64_t j0) {
+    if (j0 >= len) return splat(0.f);
     const __mmask16 live = j0 + 16 <= len ? static_cast<__mmask16>(0xFFFF)
                                           : static_cast<__mmask16>((1u << (len - j0)) - 1u);
-    // an explicitly rounded product: under -ffp-contract=fast a plain one would fuse with the subtraction
-    const v16 scaled =
-        (v16)_mm512_mul_round_ps((__m512)load(s + j0), sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const v16 p = (v16)_mm512_maskz_mov_ps(live, (__m512)exp16_softmax(scaled - splat(mx)));
-    sum += p;
-    return (__m512)p;
+    return (v16)_mm512_maskz_mov_ps(live, (__m512)live_exp(j0));
   };
   v16 sum = splat(0.f);
-  for (int64_t k = 0; k < padded; k += 32) {
-    const __m512 lo = probs(k, sum), hi = probs(k + 16, sum);
-    _mm512_storeu_si512(pp + k / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  int64_t k = 0;
+  for (; k + 64 <= len; k += 64) {
+    const v16 p0 = live_exp(k), p1 = live_exp(k + 16), p2 = live_exp(k + 32), p3 = live_exp(k + 48);
+    sum += p0;
+    sum += p1;
+    sum += p2;
+    sum += p3;
+    _mm512_storeu_si512(pp + k / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    _mm512_storeu_si512(pp + k / 2 + 16, (__m512i)_mm512_cvtne2ps_pbh((__m512)p3, (__m512)p2));
   }
-  return {mx, _mm512_reduce_add_ps((__m512)sum)};
+  for (; k < padded; k += 32) {
+    const v16 lo = tail_exp(k), hi = tail_exp(k + 16);
+    sum += lo;
+    sum += hi;
+    _mm512_storeu_si512(pp + k / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo));
+  }
+  return {smax * scale, _mm512_reduce_add_ps((__m512)sum)};
 }
 
 // out[r][:] = sum over key pairs of probabilities x values, for RB rows (NV = D / 16 accumulators each).
