@@ -12,7 +12,15 @@ decode steps by batch size, mixed steps (prompt tokens with or without decode ro
 steps the model's linear layers, its attention, and within attention a cascade group's shared part and the
 prefill chunks' own parts are timed (the timers cost a little themselves).
 
-    python benchmarks/bench_fewshot_steps.py [--formats bfloat16 int8] [--json out.json]
+In-process, the 8 clients' next questions arrive together and a wave's questions share one step. Behind a server
+they arrive one by one (each through HTTP and the tokenizer), and the log shows a step per question, beside the
+decode rows of the others. ``--max-prefill-tokens 40`` gives that pattern in-process: about one question per step.
+``--mixed-ab ROUNDS`` then also runs the warm part ROUNDS times each way, alternated, with the native decode stack
+taking those mixed steps (a cascade group of decode rows and a short chunk) and with them set aside to run layer by
+layer, and reports throughput and the mixed and batch-8 decode step medians of each.
+
+    python benchmarks/bench_fewshot_steps.py [--formats bfloat16 int8] [--max-prefill-tokens N] [--mixed-ab ROUNDS]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -125,31 +133,80 @@ class StepLog:
         return out
 
 
-def measure(fmt: str) -> dict[str, Any]:
+class DecodeRowsOnly:
+    """Stands in the model's ``decode_stack`` slot and hands it only steps without prompt tokens: the mixed steps
+    run layer by layer, as before the stack took them."""
+
+    def __init__(self, stack: Any):
+        self.stack = stack
+
+    def run(self, residual: Any, cos: Any, sin: Any, batch: Any) -> bool:
+        return max(batch.extend_lens_cpu) == 1 and self.stack.run(residual, cos, sin, batch)
+
+
+def warm_run(eng: Engine, requests: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    """(seconds, step summary) of the questions after the first, over the block the first one caches."""
+    eng.flush_cache()
+    run_all(eng, requests[:1])
+    log = eng.inspect(StepLog)
+    seconds = run_all(eng, requests[1:])
+    eng.inspect(lambda s: log.close())
+    return seconds, log.summary()
+
+
+def mixed_ab(eng: Engine, requests: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    stack = eng.inspect(lambda s: s.runner.model.decode_stack)
+    if stack is None:
+        return {"decode_stack": False}
+    runs: dict[str, list[tuple[float, dict[str, Any]]]] = {"stack": [], "layers": []}
+    for _ in range(rounds):
+        for name, obj in (("stack", stack), ("layers", DecodeRowsOnly(stack))):
+            eng.inspect(lambda s, obj=obj: setattr(s.runner.model, "decode_stack", obj))
+            runs[name].append(warm_run(eng, requests))
+    eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", stack))
+    out: dict[str, Any] = {}
+    for name, results in runs.items():
+        mixed = [summ["mixed"]["median_ms"] for _, summ in results if "mixed" in summ]
+        b8 = [summ["decode b8"]["median_ms"] for _, summ in results if "decode b8" in summ]
+        out[f"mixed_steps_{name}"] = {
+            "seq_s": [round((len(requests) - 1) / sec, 2) for sec, _ in results],
+            "mixed_step_ms": mixed, "decode_b8_ms": b8,
+            # the host's speed moves between runs: each run's mixed step against its own decode step
+            "mixed_over_decode": [round(m / d, 2) for m, d in zip(mixed, b8)]}
+    return out
+
+
+def measure(fmt: str, max_prefill_tokens: int | None, ab_rounds: int) -> dict[str, Any]:
     requests = make_workload("fewshot")["requests"]
-    eng = on_own_thread(lambda: Engine(model="default", log_level="warning", **FORMATS[fmt]))
+    options: dict[str, Any] = dict(FORMATS[fmt])
+    if max_prefill_tokens is not None:
+        options["max_prefill_tokens"] = max_prefill_tokens
+    eng = on_own_thread(lambda: Engine(model="default", log_level="warning", **options))
     try:
         run_all(eng, requests[:1])  # compiles and warms what the first steps touch; its cache is flushed below
         eng.flush_cache()
         cold = run_all(eng, requests)
-        eng.flush_cache()
-        run_all(eng, requests[:1])  # the shared block is cached from here on
-        log = eng.inspect(StepLog)
-        warm = run_all(eng, requests[1:])
-        eng.inspect(lambda s: log.close())
+        warm, steps = warm_run(eng, requests)
+        out = {"cold_seq_s": round(len(requests) / cold, 2), "warm_seq_s": round((len(requests) - 1) / warm, 2),
+               "warm_steps": steps}
+        if ab_rounds:
+            out.update(mixed_ab(eng, requests, ab_rounds))
     finally:
         eng.shutdown()
-    return {"cold_seq_s": round(len(requests) / cold, 2), "warm_seq_s": round((len(requests) - 1) / warm, 2),
-            "warm_steps": log.summary()}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", nargs="+", default=["bfloat16", "int8"], choices=list(FORMATS))
+    ap.add_argument("--max-prefill-tokens", type=int, help="the Engine's prefill budget per step (40: about one "
+                    "question per step, as a server's staggered arrivals admit them)")
+    ap.add_argument("--mixed-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also run the warm part ROUNDS times with mixed steps in the decode stack and by layer")
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
-    emit({"cpu": cpu_simd(), "concurrency": CONCURRENCY,
-          "formats": {fmt: measure(fmt) for fmt in a.formats}}, a.json)
+    emit({"cpu": cpu_simd(), "concurrency": CONCURRENCY, "max_prefill_tokens": a.max_prefill_tokens,
+          "formats": {fmt: measure(fmt, a.max_prefill_tokens, a.mixed_ab) for fmt in a.formats}}, a.json)
 
 
 if __name__ == "__main__":

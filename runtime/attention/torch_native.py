@@ -68,13 +68,14 @@ class SharedRead:
 
 @dataclass(frozen=True)
 class InPlaceDecode:
-    """What every layer's attention reads for a batch of decode rows (:meth:`TorchNativeBackend.decode_in_place`):
-    each row's own KV slots ``kv_index [B, L]`` up to ``lengths [B]`` (after its group's shared prefix, for rows in
-    a group), and the shared prefixes."""
+    """What every layer's attention reads for a batch the native decode stack takes
+    (:meth:`TorchNativeBackend.decode_in_place`): row t's own KV slots ``kv_index[row_index[t]]`` (row_index None:
+    row t) up to ``lengths[t]`` (after its group's shared prefix, for rows in a group), and the shared prefixes."""
 
     kv_index: torch.Tensor
     lengths: torch.Tensor
     shared: list[SharedRead]
+    row_index: torch.Tensor | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -111,26 +112,33 @@ class TorchNativeBackend(AttentionBackend):
             self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())
 
     def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
-        """For a planned batch of decode rows only (no prefill chunk) whose rows read the pool in place and whose new
-        K/V rows the store kernel takes, either all outside cascade groups or all inside groups whose shared
-        prefixes go through the GEMM kernel: what :meth:`forward` reads for them, in every layer; else None."""
+        """For a planned batch whose rows read the pool in place and whose new K/V rows the store kernel takes: decode
+        rows all outside cascade groups, or all rows inside groups whose shared prefixes go through the GEMM kernel
+        (decode rows, and prefill chunks where the plan attends every row's own part in one call: a question admitted
+        beside the decode rows of its few-shot block): what :meth:`forward` reads for them, in every layer; else
+        None."""
         meta = batch.attn_metadata
         if self.paged is None or not isinstance(meta, TorchNativeMetadata) or meta.prefills:
             return None
         if not self.paged.takes_slots(batch.out_cache_loc):
             return None
         casc = meta.cascade
-        shared: list[SharedRead] = []
-        dec = meta.decode
-        if casc is not None:  # every row in a group, in order (then meta.decode is None): see forward
-            # kv.shape.dtype: the dtype the rows reach the kernel in (an int8 pool's converted as they are packed)
-            if dec is not None or casc.rows is not None or casc.prefills or not self.paged.gemm_shared(
-                    batch.kv.shape.dtype):
+        if casc is None:
+            dec = meta.decode
+            if dec is None or dec.token_rows is not None or dec.lengths is None:
                 return None
-            dec = casc.decode
-            shared = [SharedRead(p.start, p.end, p.slots, self.paged.layer_packs(batch.kv, p.slots, p.reuse_key))
-                      for p in casc.shared]
-            # where nothing is kept (over the budget) the stack's kernel packs the prefix from the pool, int8 or bf16
+            return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, [])
+        # every row in a group, in order (then meta.decode is None): see forward. kv.shape.dtype: the dtype the rows
+        # reach the kernel in (an int8 pool's converted as they are packed)
+        if meta.decode is not None or casc.rows is not None or not self.paged.gemm_shared(batch.kv.shape.dtype):
+            return None
+        # where nothing is kept (over the budget) the stack's kernel packs the prefix from the pool, int8 or bf16
+        shared = [SharedRead(p.start, p.end, p.slots, self.paged.layer_packs(batch.kv, p.slots, p.reuse_key))
+                  for p in casc.shared]
+        if casc.prefills:  # the rows' own parts as _cascade_own attends them: one call over the plan's table
+            own = casc.own
+            return InPlaceDecode(own.table, own.lengths, shared, own.member) if own is not None else None
+        dec = casc.decode
         if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
         return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)
@@ -269,6 +277,9 @@ class TorchNativeBackend(AttentionBackend):
         """Each cascade row's attention over its request's own KV (positions P ..) and its log-sum-exp:
         ``[R, H, D]`` and ``[R, H]`` fp32, both contiguous (the merge writes into them)."""
         r, h, d = casc.num_rows, self.shape.num_heads, self.shape.head_dim
+        if casc.own is not None and self.paged is not None:  # decode rows and short chunks: one call for all rows
+            o, lse = self.paged.run(q, k_pool, v_pool, casc.own.table, casc.own.lengths, casc.own.member)
+            return o.contiguous(), lse.contiguous()
         dec = casc.decode
         if dec is not None and dec.token_rows is None and not casc.prefills:  # all rows decode, in order
             o, lse = self._decode_lse(q, k_pool, v_pool, dec)
@@ -284,12 +295,6 @@ class TorchNativeBackend(AttentionBackend):
             else:
                 out.index_copy_(0, rows, o)
                 lse_out.index_copy_(0, rows, lse)
-        if casc.own is not None and self.paged is not None:  # short own parts (questions after a few-shot block)
-            own = casc.own
-            o, lse = self.paged.run(q.index_select(0, own.rows), k_pool, v_pool, own.table, own.lengths, own.chunk)
-            out.index_copy_(0, own.rows, o)
-            lse_out.index_copy_(0, own.rows, lse)
-            return out, lse_out
         hkv, g = self.shape.num_kv_heads, self.group
         for chunk in casc.prefills:
             e = chunk.end - chunk.start

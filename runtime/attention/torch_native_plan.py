@@ -15,9 +15,10 @@ from runtime.core.forward_batch import ForwardBatch, ForwardMode
 # Additive float masks measured ~15% faster than bool ones in the CPU SDPA kernel; above this many
 # entries (a long chunk over a long prefix) memory wins and the mask is bool.
 _FLOAT_MASK_LIMIT = 1 << 24
-# A cascade group's prefill chunks whose own parts (KV past the shared prefix) are all at most this long attend
-# them in one call of the in-place kernel (``OwnChunks``) instead of one call per chunk: 7 few-shot questions
-# after their shared block spent 21 ms of a 200 ms prefill step in 210 calls, 11 ms in 30.
+# A cascade plan whose prefill chunks' own parts (KV past the shared prefix) are all at most this long attends every
+# row's own part, decode rows' and chunk tokens', in one call of the in-place kernel (``OwnRows``) instead of one call
+# per chunk and one for the decode rows: 7 few-shot questions after their shared block spent 21 ms of a 200 ms
+# prefill step in 210 calls, 11 ms in 30. The same table is what the native decode stack reads for such a batch.
 OWN_CHUNKS_MAX = 64
 
 
@@ -60,14 +61,14 @@ class SharedPart:
 
 
 @dataclass
-class OwnChunks:
-    """The own parts of a cascade plan's prefill chunks, as one call of the in-place kernel
-    (``PagedDecodeKernel.run``): token t, cascade row ``rows[t]``, attends ``table[chunk[t], :lengths[t]]``."""
+class OwnRows:
+    """The own part of every cascade row as one call of the in-place kernel (``PagedDecodeKernel.run``): cascade row
+    t attends ``table[member[t], :lengths[t]]``, its request's KV past the group's shared prefix (a decode row all of
+    it, a prefill token up to itself)."""
 
-    rows: torch.Tensor  # [T] cascade rows of every chunk's tokens, chunk after chunk
-    table: torch.Tensor  # [C, W] each chunk's own KV slots (positions P ..), padded with slot 0
-    chunk: torch.Tensor  # [T] the row of ``table`` each token reads
-    lengths: torch.Tensor  # [T] own positions each token attends: its chunk's cached ones and itself
+    table: torch.Tensor  # [M, W] each group member's own KV slots (positions P ..), padded with slot 0
+    member: torch.Tensor  # [T] the row of ``table`` each cascade row reads
+    lengths: torch.Tensor  # [T] own positions each cascade row attends
 
 
 @dataclass
@@ -81,7 +82,9 @@ class CascadePlan:
     # Each member's own part (KV positions P .. seq_len - 1). Rows/starts index the cascade rows.
     decode: DecodeGroup | None
     prefills: list[PrefillChunk]
-    own: OwnChunks | None = None  # the prefills' own parts in one call, where they are short (OWN_CHUNKS_MAX)
+    # every row's own part in one call, where the plan has prefill chunks and their own parts are short
+    # (OWN_CHUNKS_MAX); None: the decode rows in one call and the chunks one by one
+    own: OwnRows | None = None
 
 
 @dataclass
@@ -133,10 +136,12 @@ def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[
     single: list[int] = []
     single_skip: list[int] = []
     single_rows: list[int] = []
+    owners: list[tuple[int, int]] = []  # (request, its group's P) of each member, in cascade row order
     for g in groups:
         first = len(rows)
         for i in g.members:
             pre, ext = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
+            owners.append((i, g.prefix_len))
             if ext == 1:
                 single.append(i)
                 single_skip.append(g.prefix_len)
@@ -151,28 +156,32 @@ def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[
         decode = _decode_group(batch, single, single_skip, dtype, single_rows, len(rows))
     all_rows = len(rows) == batch.num_tokens and rows == list(range(len(rows)))
     row_index = None if all_rows else torch.tensor(rows, dtype=torch.int64, device=device)
-    return CascadePlan(row_index, len(rows), shared, decode, prefills, _own_chunks(prefills))
+    return CascadePlan(row_index, len(rows), shared, decode, prefills, _own_rows(batch, owners, prefills))
 
 
-def _own_chunks(prefills: list[PrefillChunk]) -> OwnChunks | None:
-    """The chunks' own parts as one in-place call: where there are several, all short, on the CPU."""
-    if len(prefills) < 2 or prefills[0].kv_index.device.type != "cpu":
+def _own_rows(batch: ForwardBatch, owners: list[tuple[int, int]], prefills: list[PrefillChunk]) -> OwnRows | None:
+    """Every cascade row's own part as one in-place call: where the plan has prefill chunks, all short, on the CPU.
+    ``owners``: (request, P) of each group member in cascade row order."""
+    if not prefills or batch.seq_lens.device.type != "cpu":
         return None
-    width = max(c.kv_index.numel() for c in prefills)
-    if width > OWN_CHUNKS_MAX:
+    if max(c.kv_index.numel() for c in prefills) > OWN_CHUNKS_MAX:
         return None
-    table = torch.zeros(len(prefills), width, dtype=torch.int64)
-    rows: list[int] = []
-    chunk: list[int] = []
+    seq, pre = batch.seq_lens_cpu, batch.prefix_lens_cpu
+    own = [seq[i] - p for i, p in owners]  # a member's own positions after this step
+    width = max(own)
+    req_rows = batch.req_pool_indices[torch.tensor([i for i, _ in owners], dtype=torch.int64)]
+    cols = torch.tensor([p for _, p in owners], dtype=torch.int64)[:, None] + torch.arange(width)
+    cols.clamp_(max=batch.req_to_token.shape[1] - 1)  # past a member's own positions: stale, replaced below
+    table = batch.req_to_token[req_rows[:, None], cols]
+    table.masked_fill_(torch.arange(width)[None, :] >= torch.tensor(own)[:, None], 0)  # the reserved slot 0
+    member: list[int] = []
     lengths: list[int] = []
-    for i, c in enumerate(prefills):
-        own, new = c.kv_index.numel(), c.end - c.start
-        table[i, :own] = c.kv_index
-        rows.extend(range(c.start, c.end))
-        chunk.extend([i] * new)
-        lengths.extend(range(own - new + 1, own + 1))
-    return OwnChunks(torch.tensor(rows, dtype=torch.int64), table, torch.tensor(chunk, dtype=torch.int64),
-                     torch.tensor(lengths, dtype=torch.int64))
+    for m, ((i, p), n) in enumerate(zip(owners, own)):
+        ext = batch.extend_lens_cpu[i]
+        member.extend([m] * ext)
+        lengths.extend(range(pre[i] - p + 1, n + 1))  # token j of the step sees its own positions up to itself
+    return OwnRows(table, torch.tensor(member, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+
 
 def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> SharedPart:
     lead = int(batch.req_pool_indices[g.members[0]])

@@ -93,12 +93,14 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // residual [T, hidden] (updated in place); cos / sin_signed [T, D] in its dtype; slots [T] (where the new
-  // tokens' K and V go); kv_index [T, L] and lengths [T] (what each token attends: after its group's shared
-  // prefix, for the rows of a group in `shared`); k_buffer / v_buffer [layers, slots, kv_heads, row] (KVStorage's:
-  // row D, or D + 4 in the int8 format).
+  // tokens' K and V go); kv_index [B, L], row_index [T] and lengths [T]: token t attends kv_index[row_index[t]] up
+  // to lengths[t] (row_index none: row t; after its group's shared prefix, for the rows of a group in `shared`). A
+  // token of a prefill chunk is such a row too: every token's K and V are stored before any attends, and its length
+  // stops at itself. k_buffer / v_buffer [layers, slots, kv_heads, row] (KVStorage's: row D, or D + 4 in the int8
+  // format).
   void run(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slots,
            torch::Tensor kv_index, torch::Tensor lengths, torch::Tensor k_buffer, torch::Tensor v_buffer,
-           const std::vector<SharedGroup>& shared) const {
+           const std::vector<SharedGroup>& shared, const c10::optional<torch::Tensor>& row_index) const {
     TORCH_CHECK(k_buffer.dim() == 4 && k_buffer.size(0) == num_layers() && k_buffer.sizes() == v_buffer.sizes(),
                 "k_buffer / v_buffer must be [layers, slots, kv_heads, head_dim] for every layer of the stack");
     for (const SharedGroup& g : shared)
@@ -109,7 +111,7 @@ class DecodeStack {
     const int64_t t = residual.size(0), q_size = heads_ * d_, kv_size = kv_heads_ * d_;
     // a slot's row in the pool: kv_size values, or in the int8 format each head's d values and its scale
     const int64_t total_slots = k_buffer.size(1), slot_row = kv_heads_ * k_buffer.size(3);
-    check_decode_slots(kv_index, c10::nullopt, lengths, total_slots);  // once: every layer reads the same slots
+    check_decode_slots(kv_index, row_index, lengths, total_slots);  // once: every layer reads the same slots
     for (int64_t i = 0; i < num_layers(); ++i) {
       const Layer& layer = layers_[i];
       const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, slot_row});
@@ -121,7 +123,7 @@ class DecodeStack {
       store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
                qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
       const torch::Tensor q = qk.narrow(1, 0, heads_);
-      std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, c10::nullopt, lengths,
+      std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, row_index, lengths,
                                                                   scale_, kv_heads_);
       const torch::Tensor attn = own[0].contiguous();
       // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
@@ -168,5 +170,6 @@ void bind_decoder(pybind11::module& m) {
       // the GIL is released while the layers run: other threads of the scheduler process keep going
       .def("run", &DecodeStack::run, py::arg("residual"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
            py::arg("kv_index"), py::arg("lengths"), py::arg("k_buffer"), py::arg("v_buffer"),
-           py::arg("shared") = std::vector<SharedGroup>{}, py::call_guard<py::gil_scoped_release>());
+           py::arg("shared") = std::vector<SharedGroup>{}, py::arg("row_index") = c10::optional<torch::Tensor>(),
+           py::call_guard<py::gil_scoped_release>());
 }

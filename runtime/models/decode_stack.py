@@ -8,12 +8,14 @@ result is the layer-by-layer one bit for bit (tests/runtime/test_decode_stack.py
 
 It is built where that path would run the packed kernels for every layer: a CPU model with packed weights, the
 torch_native backend reading the pool in place, no tensor parallelism, no per-head q/k norm (Qwen3), activations in
-float32 or bfloat16. Per batch it takes decode rows only (no prefill chunk) of up to the rows the packed kernels take,
-with a pool in the activations' dtype or the int8 format, either outside cascade groups or all in groups whose shared
-prefix goes through the GEMM kernel (bf16 activations, where the CPU has AVX512_BF16; the packs the backend keeps, or
-packed from the pool per call, an int8 pool's rows converted as they are packed): a few-shot batch decoding under its
-shared block. Any other batch runs layer
-by layer.
+float32 or bfloat16. Per batch it takes up to the rows the packed kernels take, with a pool in the activations' dtype
+or the int8 format: decode rows outside cascade groups, or all rows in groups whose shared prefix goes through the
+GEMM kernel (bf16 activations, where the CPU has AVX512_BF16; the packs the backend keeps, or packed from the pool per
+call, an int8 pool's rows converted as they are packed). The rows of a group may be decode rows and tokens of prefill
+chunks whose own parts are short (the backend's plan then attends every row's own part in one call, which the stack
+makes too): a few-shot batch decoding under its shared block, and the step that admits a new question beside it,
+which under a server's staggered arrivals is about half the steps of a few-shot run. Any other batch runs layer by
+layer.
 """
 
 from __future__ import annotations
@@ -82,5 +84,5 @@ class DecodeStack:
                                          [p if p is not None else [] for p in g.packs]) for g in reads.shared]
         d = self.head_dim
         self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), batch.out_cache_loc, reads.kv_index,
-                        reads.lengths, batch.kv.k_buffer, batch.kv.v_buffer, shared)
+                        reads.lengths, batch.kv.k_buffer, batch.kv.v_buffer, shared, reads.row_index)
         return True

@@ -324,8 +324,9 @@ def test_mixed_prefill_and_decode_groups_match(shape: AttentionShape, page_size:
             ("d0", 1), ("q5", 4)]
     on, off, ref, meta = run_both(pool, work, shape)
     assert _groups(meta) == [(30 + 1 + 1 + 9 + 5 + 4, 160), (2, 96)]
-    # the four chunks' own parts (5 to 30 positions) attended in one call of the in-place kernel
-    assert meta.cascade is not None and meta.cascade.own is not None and len(meta.cascade.own.table) == 4
+    # every row's own part, the four chunks' (5 to 30 positions) and the four decode rows', in one call of the
+    # in-place kernel: a table row per member of either group
+    assert meta.cascade is not None and meta.cascade.own is not None and len(meta.cascade.own.table) == 8
     torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
     # Prefill chunks only (many short suffixes over one cached prefix), the benchmark's shape.

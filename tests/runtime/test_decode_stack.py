@@ -86,3 +86,52 @@ def test_stack_is_not_built_where_layers_must_run_one_by_one(tiny_engine):
     assert eng.inspect(lambda s: s.runner.model.decode_stack) is None
     out = eng.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 3, "temperature": 0})
     assert len(out[0]["output_ids"]) == 3
+
+
+class MixedCount(CountedStack):
+    """Also counts the batches taken that admitted a prompt beside decode rows."""
+
+    def __init__(self, stack: DecodeStack):
+        super().__init__(stack)
+        self.taken_mixed = 0
+
+    def run(self, residual: Any, cos: Any, sin: Any, batch: Any) -> bool:
+        took = super().run(residual, cos, sin, batch)
+        lens = batch.extend_lens_cpu
+        self.taken_mixed += took and 1 in lens and max(lens) > 1
+        return took
+
+
+@pytest.mark.parametrize("fmt", [
+    pytest.param("bfloat16", marks=pytest.mark.skipif(
+        aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
+    "int8+kv8"])
+def test_a_question_admitted_beside_its_blocks_decode_rows_runs_in_the_stack_bit_for_bit(fmt):
+    """A server admits few-shot questions one per step as they arrive, beside the decode rows of those before them,
+    all under one cached block: with a prefill budget of 16 tokens each question below gets a step of its own. Where
+    the block's shared part takes the GEMM kernel, those mixed steps (a cascade group of decode rows and one chunk)
+    run in the stack too, and every token and logprob equals the layer-by-layer path's."""
+    rng = random.Random(5)
+    block = [rng.randrange(3, 49000) for _ in range(400)]
+    questions = [block + [rng.randrange(3, 49000) for _ in range(n)] for n in (9, 12, 14, 16, 11)]
+    formats = {"bfloat16": {"dtype": "bfloat16"}, "int8+kv8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
+
+    def answers(eng: Engine) -> list[tuple[list[int], list[Any]]]:
+        eng.flush_cache()
+        eng.generate(input_ids=[block], sampling_params={"max_new_tokens": 1, "temperature": 0})  # caches the block
+        outs = eng.generate(input_ids=questions, return_logprob=True, sampling_params={
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+    with checked_engine("default", max_total_tokens=8192, max_prefill_tokens=16, **formats[fmt]) as eng:
+        stack = eng.inspect(lambda s: s.runner.model.decode_stack)
+        assert isinstance(stack, DecodeStack)
+        counted = MixedCount(stack)
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", counted))
+        with_stack = answers(eng)
+        gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
+        # the third to fifth questions join a group that saves enough (3 members or more under 400 slots)
+        assert (counted.taken_mixed >= 3) == gemm_shared, counted.taken_mixed
+        eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
+        by_layer = answers(eng)
+    assert with_stack == by_layer
