@@ -74,8 +74,8 @@ class InPlaceDecode:
 
     kv_index: torch.Tensor
     lengths: torch.Tensor
+    row_index: torch.Tensor | None
     shared: list[SharedRead]
-    row_index: torch.Tensor | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -124,24 +124,32 @@ class TorchNativeBackend(AttentionBackend):
             return None
         casc = meta.cascade
         if casc is None:
-            dec = meta.decode
-            if dec is None or dec.token_rows is not None or dec.lengths is None:
-                return None
-            return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, [])
+            alone = self._decode_rows(meta.decode)
+            return InPlaceDecode(alone[0], alone[1], None, []) if alone is not None else None
         # every row in a group, in order (then meta.decode is None): see forward. kv.shape.dtype: the dtype the rows
         # reach the kernel in (an int8 pool's converted as they are packed)
         if meta.decode is not None or casc.rows is not None or not self.paged.gemm_shared(batch.kv.shape.dtype):
             return None
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+        if casc.prefills:  # the rows' own parts as _cascade_own attends them: one call over the plan's table
+            rows = (casc.own.table, casc.own.lengths, casc.own.member) if casc.own is not None else None
+        else:
+            rows = self._decode_rows(casc.decode)
+        if rows is None:  # declined before the packs are looked up (or made)
+            return None
         # where nothing is kept (over the budget) the stack's kernel packs the prefix from the pool, int8 or bf16
         shared = [SharedRead(p.start, p.end, p.slots, self.paged.layer_packs(batch.kv, p.slots, p.reuse_key))
                   for p in casc.shared]
-        if casc.prefills:  # the rows' own parts as _cascade_own attends them: one call over the plan's table
-            own = casc.own
-            return InPlaceDecode(own.table, own.lengths, shared, own.member) if own is not None else None
-        dec = casc.decode
+        kv_index, lengths, row_index = rows
+        return InPlaceDecode(kv_index, lengths, row_index, shared)
+
+    @staticmethod
+    def _decode_rows(dec: DecodeGroup | None) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """A decode group's own reads as the stack takes them (``kv_index [B, L]``, ``lengths``, no row index), where
+        its rows are the batch's in order and their lengths are known; else None."""
         if dec is None or dec.token_rows is not None or dec.lengths is None:
             return None
-        return InPlaceDecode(dec.kv_index.view(dec.batch_size, -1), dec.lengths, shared)
+        return dec.kv_index.view(dec.batch_size, -1), dec.lengths, None
 
     # ------------------------------------------------------------------ forward
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -18,7 +18,8 @@ from tests.conftest import checked_engine
 pytestmark = pytest.mark.slow
 
 FORMATS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-           "int8-kv": {"kv_cache_dtype": "int8"}, "int8-kv, no pack kept": {"kv_cache_dtype": "int8"}}
+           "int8-kv": {"kv_cache_dtype": "int8"}, "int8-kv, no pack kept": {"kv_cache_dtype": "int8"},
+           "int8+kv8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
 
 
 class CountedStack:
@@ -29,12 +30,15 @@ class CountedStack:
         self.taken = 0
         self.declined = 0
         self.taken_grouped = 0  # batches taken whose rows were in cascade groups
+        self.taken_mixed = 0  # batches taken that admitted a prompt beside decode rows
 
     def run(self, residual: Any, cos: Any, sin: Any, batch: Any) -> bool:
         took = self.stack.run(residual, cos, sin, batch)
+        lens = batch.extend_lens_cpu
         self.taken += took
         self.declined += not took
         self.taken_grouped += took and batch.attn_metadata.cascade is not None
+        self.taken_mixed += took and 1 in lens and max(lens) > 1
         return took
 
 
@@ -88,20 +92,6 @@ def test_stack_is_not_built_where_layers_must_run_one_by_one(tiny_engine):
     assert len(out[0]["output_ids"]) == 3
 
 
-class MixedCount(CountedStack):
-    """Also counts the batches taken that admitted a prompt beside decode rows."""
-
-    def __init__(self, stack: DecodeStack):
-        super().__init__(stack)
-        self.taken_mixed = 0
-
-    def run(self, residual: Any, cos: Any, sin: Any, batch: Any) -> bool:
-        took = super().run(residual, cos, sin, batch)
-        lens = batch.extend_lens_cpu
-        self.taken_mixed += took and 1 in lens and max(lens) > 1
-        return took
-
-
 @pytest.mark.parametrize("fmt", [
     pytest.param("bfloat16", marks=pytest.mark.skipif(
         aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
@@ -114,7 +104,6 @@ def test_a_question_admitted_beside_its_blocks_decode_rows_runs_in_the_stack_bit
     rng = random.Random(5)
     block = [rng.randrange(3, 49000) for _ in range(400)]
     questions = [block + [rng.randrange(3, 49000) for _ in range(n)] for n in (9, 12, 14, 16, 11)]
-    formats = {"bfloat16": {"dtype": "bfloat16"}, "int8+kv8": {"quantization": "int8", "kv_cache_dtype": "int8"}}
 
     def answers(eng: Engine) -> list[tuple[list[int], list[Any]]]:
         eng.flush_cache()
@@ -123,10 +112,10 @@ def test_a_question_admitted_beside_its_blocks_decode_rows_runs_in_the_stack_bit
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
         return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
 
-    with checked_engine("default", max_total_tokens=8192, max_prefill_tokens=16, **formats[fmt]) as eng:
+    with checked_engine("default", max_total_tokens=8192, max_prefill_tokens=16, **FORMATS[fmt]) as eng:
         stack = eng.inspect(lambda s: s.runner.model.decode_stack)
         assert isinstance(stack, DecodeStack)
-        counted = MixedCount(stack)
+        counted = CountedStack(stack)
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", counted))
         with_stack = answers(eng)
         gemm_shared = eng.inspect(lambda s: s.runner.model.attn_backend.paged.gemm_shared(s.runner.kv.shape.dtype))
