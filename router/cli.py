@@ -48,8 +48,8 @@ def run_router(ns: argparse.Namespace) -> int:
 def add_dp_args(serve_parser: argparse.ArgumentParser) -> None:
     """Add ``--dp N`` and the router's options (as ``--router-<option>``) to the ``serve`` parser."""
     group = serve_parser.add_argument_group(
-        "data parallelism", "With --dp N > 1, serve starts N workers on ports PORT+1..PORT+N and a router on "
-        "PORT; these options configure that router.")
+        "data parallelism", "With --dp N > 1, serve starts N workers on the first N free ports after PORT "
+        "(PORT+1..PORT+N unless one is taken) and a router on PORT; these options configure that router.")
     group.add_argument("--dp", type=int, default=1, help="Number of workers (data-parallel replicas) to start "
                        "behind a router on this machine.")
     add_router_args(group, prefix=DP_PREFIX, exclude=STANDALONE_ONLY)

@@ -1,8 +1,9 @@
 """``radixserve serve --dp N``: N workers and a router on one machine.
 
-The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on ports
-PORT+1 .. PORT+N of 127.0.0.1; the router takes PORT on the host the user asked for. With the exact
-policy each worker also publishes its cache events on PORT+N+1+i. The model is resolved (and the default
+The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on the first N
+ports after PORT that are free on 127.0.0.1 (PORT+1 .. PORT+N unless one is taken); the router takes PORT on
+the host the user asked for. With the exact policy each worker also publishes its cache events on the next
+free ports after those. The model is resolved (and the default
 model converted) once, before any worker starts, so N workers never race to convert it. On CPU each
 worker gets an equal share of the cores unless --num-threads says otherwise (with --tp M each worker's
 ranks split that share again). On CUDA worker i sees only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i
@@ -22,6 +23,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,25 @@ START_TIMEOUT = 900.0
 # Flags the launcher sets per worker.
 # api_key reaches the workers through the environment, never on a command line other users can read
 PER_WORKER = ("model", "host", "port", "kv_events_port", "served_model_name", "num_threads", "api_key")
+
+
+def free_ports_after(base: int, count: int) -> list[int]:
+    """The first ``count`` ports above ``base`` that 127.0.0.1 can bind now. A port already taken (another
+    server, or a client connection's local port in the ephemeral range) would make a worker fail at start,
+    so the launcher skips it instead of assuming PORT+1.. are free."""
+    ports: list[int] = []
+    port = base
+    while len(ports) < count:
+        port += 1
+        if port > 65535:
+            raise OSError(f"fewer than {count} free ports above {base}")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def worker_argv(args: ServerArgs, *, model: str, port: int, served: str, num_threads: int | None,
@@ -176,9 +197,13 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
         logger.error("%s", exc)
         return 2
     exact = router_args.policy == "exact"
-    base = server_args.port
-    urls = [f"http://127.0.0.1:{base + 1 + i}" for i in range(dp)]
-    events = [base + 1 + dp + i for i in range(dp)] if exact else []
+    try:
+        ports = free_ports_after(server_args.port, 2 * dp if exact else dp)
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:dp]]
+    events = ports[dp:]
     procs: list[subprocess.Popen[Any]] = []
 
     def interrupted(signum: int, _frame: FrameType | None) -> None:
@@ -188,7 +213,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
     try:
         try:
             for i in range(dp):
-                argv = worker_argv(server_args, model=model, port=base + 1 + i, served=served,
+                argv = worker_argv(server_args, model=model, port=ports[i], served=served,
                                    num_threads=threads, kv_events_port=events[i] if exact else None)
                 logger.info("starting worker %d/%d on %s", i + 1, dp, urls[i])
                 procs.append(subprocess.Popen(argv, env=_worker_env(server_args, gpus, i), start_new_session=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.launch_dp import worker_argv, worker_gpus
+from router.launch_dp import free_ports_after, worker_argv, worker_gpus
 from runtime.config import ServerArgs
 from tests.server_harness import ROOT, free_port, pid_alive
 
@@ -49,7 +50,8 @@ def test_dp_starts_workers_and_router_and_stops_cleanly(tiny_model_dir: Path) ->
             time.sleep(0.3)
         workers = httpx.get(url + "/workers").json()
         assert workers["policy"] == "exact"
-        assert [w["url"] for w in workers["workers"]] == [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+        worker_ports = [int(w["url"].rsplit(":", 1)[1]) for w in workers["workers"]]
+        assert len(set(worker_ports)) == 2 and all(p > port for p in worker_ports)
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200, r.text
         info = httpx.get(url + "/get_server_info", timeout=60).json()
@@ -63,6 +65,20 @@ def test_dp_starts_workers_and_router_and_stops_cleanly(tiny_model_dir: Path) ->
     assert code == 0, proc.stdout.read().decode() if proc.stdout else ""
     time.sleep(0.5)
     assert not [c for c in children if pid_alive(c)]
+
+
+def test_worker_ports_skip_a_port_already_taken() -> None:
+    """A worker on a port someone else holds would fail at start; the launcher takes the next free one."""
+    base = free_port()
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", base + 1))
+        except OSError:
+            pytest.skip("the port after a free one is already taken here")
+        held.listen()
+        ports = free_ports_after(base, 3)
+    assert base + 1 not in ports and len(set(ports)) == 3 and all(p > base + 1 for p in ports)
+    assert ports == sorted(ports)
 
 
 def test_dp_exits_nonzero_when_workers_cannot_start(tmp_path: Path) -> None:
