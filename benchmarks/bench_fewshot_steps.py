@@ -18,9 +18,13 @@ decode rows of the others. ``--max-prefill-tokens 40`` gives that pattern in-pro
 ``--mixed-ab ROUNDS`` then also runs the warm part ROUNDS times each way, alternated, with the native decode stack
 taking those mixed steps (a cascade group of decode rows and a short chunk) and with them set aside to run layer by
 layer, and reports throughput and the mixed and batch-8 decode step medians of each.
+``--lone-ab ROUNDS`` times the step of a question that arrives alone after a wave of 8 has decoded under the block
+(a server's waves often start so): per round a wave, then 3 questions one at a time with the wave's packed block
+kept, which each reads as a cascade group of one, then 3 with the packs dropped before each, so that it runs as a
+plain prefill chunk that packs its whole KV in every layer (as every lone question did before groups of one).
 
     python benchmarks/bench_fewshot_steps.py [--formats bfloat16 int8] [--max-prefill-tokens N] [--mixed-ab ROUNDS]
-        [--json out.json]
+        [--lone-ab ROUNDS] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from runtime.bench.workloads import make_workload
 from runtime.engine import Engine
 
 CONCURRENCY = 8
+QUESTIONS = len(make_workload("fewshot")["requests"])
+LONE_EACH = 3  # --lone-ab: questions timed each way per round
 
 
 def run_all(eng: Engine, requests: list[dict[str, Any]]) -> float:
@@ -176,7 +182,32 @@ def mixed_ab(eng: Engine, requests: list[dict[str, Any]], rounds: int) -> dict[s
     return out
 
 
-def measure(fmt: str, max_prefill_tokens: int | None, ab_rounds: int) -> dict[str, Any]:
+def lone_ab(eng: Engine, requests: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """Step times of questions alone after a decoded wave: LONE_EACH with the wave's packs kept (each reads them as a
+    group of one, which keeps them for the next), then LONE_EACH with every pack dropped before each, per round."""
+    backend: Any = eng.inspect(lambda s: s.runner.attn_backend)
+    if backend.paged is None:
+        return {"lone_question": "no in-place kernels"}
+    eng.flush_cache()
+    run_all(eng, requests[:1])
+    times: dict[str, list[float]] = {"kept": [], "dropped": []}
+    left = iter(requests[1:])  # each question once: a repeated one would find itself cached
+    for _ in range(rounds):
+        run_all(eng, [next(left) for _ in range(CONCURRENCY)])
+        for mode, ms in times.items():
+            for _ in range(LONE_EACH):
+                if mode == "dropped":
+                    eng.inspect(lambda s: backend.paged.keep_packed(()))
+                body = next(left)["body"]
+                log = eng.inspect(StepLog)
+                eng.generate(prompt=body["prompt"], sampling_params={"max_new_tokens": 1, "temperature": 0})
+                eng.inspect(lambda s, log=log: log.close())
+                ms.append(round(1e3 * log.steps[0][2], 2))
+    return {f"lone_question_{mode}": {"step_ms": ms, "median_ms": round(statistics.median(ms), 2)}
+            for mode, ms in times.items()}
+
+
+def measure(fmt: str, max_prefill_tokens: int | None, ab_rounds: int, lone_rounds: int) -> dict[str, Any]:
     requests = make_workload("fewshot")["requests"]
     options: dict[str, Any] = dict(FORMATS[fmt])
     if max_prefill_tokens is not None:
@@ -191,6 +222,8 @@ def measure(fmt: str, max_prefill_tokens: int | None, ab_rounds: int) -> dict[st
                "warm_steps": steps}
         if ab_rounds:
             out.update(mixed_ab(eng, requests, ab_rounds))
+        if lone_rounds:
+            out.update(lone_ab(eng, requests, lone_rounds))
     finally:
         eng.shutdown()
     return out
@@ -203,10 +236,16 @@ def main() -> None:
                     "question per step, as a server's staggered arrivals admit them)")
     ap.add_argument("--mixed-ab", type=int, default=0, metavar="ROUNDS",
                     help="also run the warm part ROUNDS times with mixed steps in the decode stack and by layer")
+    ap.add_argument("--lone-ab", type=int, default=0, metavar="ROUNDS",
+                    help="also time a question arriving alone after a decoded wave, ROUNDS times with the wave's "
+                    "packed block kept and dropped")
     ap.add_argument("--json", help="also save the result here")
     a = ap.parse_args()
+    per_round = CONCURRENCY + 2 * LONE_EACH
+    if a.lone_ab * per_round > QUESTIONS - 1:
+        ap.error(f"--lone-ab: at most {(QUESTIONS - 1) // per_round} rounds (each asks {per_round} new questions)")
     emit({"cpu": cpu_simd(), "concurrency": CONCURRENCY, "max_prefill_tokens": a.max_prefill_tokens,
-          "formats": {fmt: measure(fmt, a.max_prefill_tokens, a.mixed_ab) for fmt in a.formats}}, a.json)
+          "formats": {fmt: measure(fmt, a.max_prefill_tokens, a.mixed_ab, a.lone_ab) for fmt in a.formats}}, a.json)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from runtime.attention.paged_decode import paged_decode_kernel
 from runtime.attention.torch_native_plan import (
     CascadePlan,
     DecodeGroup,
+    KeptPrefix,
     PrefillChunk,
     TorchNativeMetadata,
     plan_batch,
@@ -103,13 +104,19 @@ class TorchNativeBackend(AttentionBackend):
         # Gather buffers reused by every layer and step. Fresh multi-MB tensors per layer cost page faults
         # (the allocator hands big blocks back to the OS): on the dev VM that doubled batch-32 decode time.
         self._workspace: dict[str, torch.Tensor] = {}
+        self._last_shared: list[KeptPrefix] = []  # the last plan's shared prefixes (see plan)
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
-        plan_batch(batch, self._groups)
-        if self.paged is not None:  # packed prefixes this batch does not share are dropped
+        paged = self.paged
+        # the last batch's shared prefixes still packed: a prompt alone under one becomes a group of one over them
+        kept = [p for p in self._last_shared if paged is not None and paged.kept(p.key)]
+        plan_batch(batch, self._groups, kept)
+        if paged is not None:  # packed prefixes this batch does not share are dropped
             casc = batch.attn_metadata.cascade
-            self.paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else ())
+            shared = casc.shared if casc is not None else []
+            paged.keep_packed({p.reuse_key for p in shared})
+            self._last_shared = [KeptPrefix(p.prefix_len, p.reuse_key) for p in shared if p.reuse_key is not None]
 
     def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
         """For a planned batch whose rows read the pool in place and whose new K/V rows the store kernel takes: decode

@@ -20,6 +20,9 @@ _FLOAT_MASK_LIMIT = 1 << 24
 # per chunk and one for the decode rows: 7 few-shot questions after their shared block spent 21 ms of a 200 ms
 # prefill step in 210 calls, 11 ms in 30. The same table is what the native decode stack reads for such a batch.
 OWN_CHUNKS_MAX = 64
+# A cascade group shares a prefix kept packed from an earlier batch instead of its own longest one when that is at most
+# this many positions longer (``_onto_kept``): they are attended in the members' own parts, as the question's tokens.
+KEPT_SLACK = 16
 
 
 @dataclass
@@ -60,6 +63,14 @@ class SharedPart:
     reuse_key: tuple[int, bytes] | None = None
 
 
+@dataclass(frozen=True)
+class KeptPrefix:
+    """A shared prefix of an earlier batch whose packed KV a kernel keeps: its length and `SharedPart.reuse_key`."""
+
+    length: int
+    key: tuple[int, bytes]
+
+
 @dataclass
 class OwnRows:
     """The own part of every cascade row as one call of the in-place kernel (``PagedDecodeKernel.run``): cascade row
@@ -94,9 +105,11 @@ class TorchNativeMetadata:
     cascade: CascadePlan | None = None
 
 
-def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None) -> None:
+def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None,
+               kept: Sequence[KeptPrefix] = ()) -> None:
     """Build the slot-index tensors and masks once per batch (Python work per request, not per layer);
-    ``cascade`` groups the requests that share a cached prefix (None: no groups)."""
+    ``cascade`` groups the requests that share a cached prefix (None: no groups); ``kept``: prefixes whose packed
+    KV a kernel keeps from an earlier batch (see :func:`_onto_kept`)."""
     if batch.batch_size == 0:
         batch.attn_metadata = TorchNativeMetadata()
         return
@@ -104,6 +117,8 @@ def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None) -> None:
     if cascade is not None:
         groups = cascade.find(batch.req_to_token, batch.req_pool_indices.tolist(), batch.prefix_lens_cpu,
                               batch.mode is ForwardMode.DECODE)
+        if kept:
+            groups = _onto_kept(batch, groups, kept)
     dtype = batch.kv.shape.dtype
     if not groups and batch.mode is ForwardMode.DECODE:
         batch.attn_metadata = TorchNativeMetadata(decode=_decode_group(batch, None, None, dtype))
@@ -127,6 +142,48 @@ def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None) -> None:
     if groups:
         meta.cascade = _cascade_plan(batch, groups, starts, dtype)
     batch.attn_metadata = meta
+
+def _onto_kept(batch: ForwardBatch, groups: list[SharedPrefix], kept: Sequence[KeptPrefix]) -> list[SharedPrefix]:
+    """``groups`` moved onto the prefixes whose packed KV a kernel keeps from an earlier batch (``kept``).
+
+    - A group whose prefix extends a kept one by at most ``KEPT_SLACK`` positions shares the kept one instead: a
+      few-shot wave's questions may share the block plus a token one wave and the block alone the next, and each new
+      length packed the block again in every layer (the extra positions are attended in the members' own parts).
+    - A prompt outside every group whose cached prefix starts with a kept one becomes a group of one over it: behind a
+      server a wave's first question often arrives alone, after the last wave's decode steps packed its block. As a
+      plain prefill chunk it packed all its KV again in every layer, and its plan, sharing nothing, let the kept packs
+      go, so the wave's next step packed the block once more. A batch of only such groups runs in the native decode
+      stack.
+
+    The key check is exact: the same slots, whose pages were not freed since the packs were made, hold the same KV."""
+    rows = batch.req_pool_indices.tolist()
+
+    def kept_under(i: int, longest: int) -> int | None:
+        for prefix in kept:
+            if longest - KEPT_SLACK <= prefix.length <= longest and prefix.key == reuse_key(
+                    batch, batch.req_to_token[rows[i], : prefix.length]):
+                return prefix.length
+        return None
+
+    out: list[SharedPrefix] = []
+    for g in groups:
+        length = kept_under(g.members[0], g.prefix_len) if g.prefix_len not in {p.length for p in kept} else None
+        out.append(SharedPrefix(g.members, length) if length is not None else g)
+    grouped = {i for g in groups for i in g.members}
+    for i, (pre, ext) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+        if i not in grouped and ext >= 2:
+            length = kept_under(i, pre)
+            if length is not None:
+                out.append(SharedPrefix((i,), length))
+    return sorted(out, key=lambda g: g.members[0])
+
+
+def reuse_key(batch: ForwardBatch, slots: torch.Tensor) -> tuple[int, bytes] | None:
+    """The :attr:`SharedPart.reuse_key` of a prefix's ``slots`` in this batch's pool (None: nothing can be kept)."""
+    if batch.kv_history is None or slots.device.type != "cpu":
+        return None
+    return batch.kv_history.times_freed(slots), slots.numpy().tobytes()
+
 
 def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[int],
                   dtype: torch.dtype) -> CascadePlan:
@@ -186,10 +243,8 @@ def _own_rows(batch: ForwardBatch, owners: list[tuple[int, int]], prefills: list
 def _shared_part(batch: ForwardBatch, g: SharedPrefix, start: int, end: int) -> SharedPart:
     lead = int(batch.req_pool_indices[g.members[0]])
     index = batch.req_to_token[lead, : g.prefix_len]
+    key = reuse_key(batch, index)
     # A prefix cached in one go often sits in consecutive slots: then it is read in place, no gather.
-    key = None
-    if batch.kv_history is not None and index.device.type == "cpu":
-        key = (batch.kv_history.times_freed(index), index.numpy().tobytes())
     first = int(index[0])
     if int(index[-1]) - first == g.prefix_len - 1 and bool((index[1:] - index[:-1] == 1).all()):
         return SharedPart(start, end, g.prefix_len, index, first, key)
