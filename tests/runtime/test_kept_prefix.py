@@ -13,11 +13,17 @@ from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.base import AttentionShape
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.attention.torch_native_plan import TorchNativeMetadata
+from runtime.config import aten_cpu_capability, cpu_flags
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.kernels.build import load_kernels
 
-pytestmark = pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(),
-                                reason="prefixes are packed and kept only where the bf16 GEMM kernel is built")
+pytestmark = [
+    pytest.mark.skipif(not load_kernels("fastcpu").bf16_dot(),
+                       reason="prefixes are packed and kept only where the bf16 GEMM kernel is built"),
+    # the oracle, torch's bf16 SDPA, packs its operands for AMX with a routine only its AVX-512 kernels carry
+    pytest.mark.skipif("amx_bf16" in cpu_flags() and aten_cpu_capability() != "AVX512",
+                       reason="torch's bf16 SDPA needs its AVX-512 kernels on a CPU with AMX"),
+]
 
 SHAPE = AttentionShape(9, 3, 64)
 BLOCK = 990  # the cached block every request starts with
