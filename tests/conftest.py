@@ -17,6 +17,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs two workers on as few as two cores, each with its servers and engines on two OpenMP threads. Threads
+# that spin while they wait for work (OpenMP's default) then take the cores from the threads that have work: a test
+# of 6.5 s alone took 113 s beside the other worker, and the whole suite 16:42-17:58. Waiting threads that sleep
+# (before torch loads libgomp, and inherited by every server the tests start) made it 10:05 on the same host.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
