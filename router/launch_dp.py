@@ -3,13 +3,13 @@
 The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on the first N
 ports after PORT that are free on 127.0.0.1 (PORT+1 .. PORT+N unless one is taken); the router takes PORT on
 the host the user asked for. With the exact policy each worker also publishes its cache events on the next
-free ports after those. The model is resolved (and the default
-model converted) once, before any worker starts, so N workers never race to convert it. On CPU each
-worker gets an equal share of the cores unless --num-threads says otherwise (with --tp M each worker's
-ranks split that share again). On CUDA worker i sees only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i
-with --tp 1, GPUs i*M .. i*M+M-1 with --tp M, so its ranks' GPUs 0..M-1 are the machine's i*M + r. With
---tp M > 1 fewer than N*M visible GPUs is a start-up error (two ranks would share a GPU, each sizing its KV
-pool from the same free memory); with --tp 1 and fewer than N GPUs the workers share them, as before.
+free ports after those. The model is resolved (and the default model converted) once, before any worker
+starts, so N workers never race to convert it. On CPU each worker gets an equal share of the cores unless
+--num-threads says otherwise (with --tp M each worker's ranks split that share again). On CUDA worker i sees
+only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i with --tp 1, GPUs i*M .. i*M+M-1 with --tp M, so its
+ranks' GPUs 0..M-1 are the machine's i*M + r. With --tp M > 1 fewer than N*M visible GPUs is a start-up
+error (two ranks would share a GPU, each sizing its KV pool from the same free memory); with --tp 1 and
+fewer than N GPUs the workers share them, as before.
 
 Each worker runs in its own process group (a terminal's Ctrl-C reaches only this process, which then
 stops the workers in order) and dies with this process (PR_SET_PDEATHSIG) if it is killed outright.

@@ -143,6 +143,7 @@ def plan_batch(batch: ForwardBatch, cascade: SharedPrefixFinder | None,
         meta.cascade = _cascade_plan(batch, groups, starts, dtype)
     batch.attn_metadata = meta
 
+
 def _onto_kept(batch: ForwardBatch, groups: list[SharedPrefix], kept: Sequence[KeptPrefix]) -> list[SharedPrefix]:
     """``groups`` moved onto the prefixes whose packed KV a kernel keeps from an earlier batch (``kept``).
 
