@@ -101,12 +101,16 @@ class SharedPrefixFinder:
         self.policy = policy
         # the last decode batch: its request rows, their cached lengths, its groups (None after any other batch)
         self._last: tuple[tuple[int, ...], tuple[int, ...], list[SharedPrefix]] | None = None
+        # whether the last find carried the decode batch before it over (its batch is that one moved one token on,
+        # with the same groups): what was planned for that batch's groups may be planned again as it was
+        self.carried = False
 
     def find(self, req_to_token: torch.Tensor, req_rows: Sequence[int], prefix_lens: Sequence[int],
              decode: bool) -> list[SharedPrefix]:
         """The groups of a batch (``decode``: every request adds one token), as ``find_shared_prefixes``."""
         rows, lens = tuple(req_rows), tuple(prefix_lens)
         kept = self._kept_groups(req_to_token, rows, lens) if decode else None
+        self.carried = kept is not None
         groups = kept if kept is not None else find_shared_prefixes(req_to_token, rows, lens, self.policy)
         self._last = (rows, lens, groups) if decode else None
         return list(groups)

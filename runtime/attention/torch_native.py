@@ -105,13 +105,16 @@ class TorchNativeBackend(AttentionBackend):
         # (the allocator hands big blocks back to the OS): on the dev VM that doubled batch-32 decode time.
         self._workspace: dict[str, torch.Tensor] = {}
         self._last_shared: list[KeptPrefix] = []  # the last plan's shared prefixes (see plan)
+        self._last_plan: tuple[list[KeptPrefix], TorchNativeMetadata] | None = None  # its kept prefixes, itself
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
         paged = self.paged
         # the last batch's shared prefixes still packed: a prompt alone under one becomes a group of one over them
         kept = [p for p in self._last_shared if paged is not None and paged.kept(p.key)]
-        plan_batch(batch, self._groups, kept)
+        last = self._last_plan
+        plan_batch(batch, self._groups, kept, last[1] if last is not None and last[0] == kept else None)
+        self._last_plan = (kept, batch.attn_metadata)
         if paged is not None:  # packed prefixes this batch does not share are dropped
             casc = batch.attn_metadata.cascade
             shared = casc.shared if casc is not None else []

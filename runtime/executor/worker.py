@@ -182,8 +182,12 @@ class ForwardWorker:
         logits = self.runner.forward_device(fb, item.logit_rows)
         sampled = None
         if item.sample_picks:
-            picks = torch.tensor(item.sample_picks, device=logits.device)
-            sampled = self.sampler.sample(logits.index_select(0, picks), item.sampling)
+            # The sampler never writes into the logits it is given (it edits a copy of its own), so a step that
+            # samples every row in order hands them over as they are: the copy was ~0.1 ms of a batch-8 decode step.
+            picked = logits
+            if item.sample_picks != list(range(logits.shape[0])):
+                picked = logits.index_select(0, torch.tensor(item.sample_picks, device=logits.device))
+            sampled = self.sampler.sample(picked, item.sampling)
             if self.threaded:
                 self.tokens.write(item.sample_table_rows, torch.tensor(sampled.token_ids))
         host = logits.cpu() if item.all_logits else torch.empty(0, self.runner.vocab_size)

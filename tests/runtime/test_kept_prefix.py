@@ -1,7 +1,9 @@
 """Cascade groups over a prefix whose packed KV the in-place kernels keep from an earlier batch
 (``torch_native_plan._onto_kept``): a prompt alone under it becomes a group of one that reads the kept packs, a group
 whose own longest prefix is a few positions longer shares the kept one, and neither happens once the prefix's pages
-were freed. Outputs are checked against the gather path (SDPA over the same slots) within bf16's precision."""
+were freed. A decode wave's next step takes the last plan's groups and shared parts (``plan_batch``'s ``previous``)
+and equals a plan made from scratch; any other batch is planned afresh. Outputs are checked against the gather path
+(SDPA over the same slots) within bf16's precision."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import torch
 from radix.allocator import PagedAllocator
 from radix.kv_storage import KVShape, KVStorage
 from runtime.attention.base import AttentionShape
+from runtime.attention.cascade import CascadePolicy, SharedPrefixFinder
 from runtime.attention.torch_native import TorchNativeBackend
-from runtime.attention.torch_native_plan import TorchNativeMetadata
+from runtime.attention.torch_native_plan import KeptPrefix, TorchNativeMetadata, plan_batch
 from runtime.config import aten_cpu_capability, cpu_flags
 from runtime.core.forward_batch import ForwardBatch, build_forward_batch
 from runtime.kernels.build import load_kernels
@@ -50,17 +53,32 @@ class Pool:
         out_loc = torch.cat([table[i, BLOCK + c : BLOCK + c + e] for i, (c, e) in enumerate(owns)])
         batch = build_forward_batch([[1] * e for _, e in owns], [BLOCK + c for c, _ in owns], list(range(len(owns))),
                                     out_loc, self.kv, table, kv_history=self.alloc)
-        rows = sum(e for _, e in owns)
+        return self.inputs(batch)
+
+    def inputs(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``batch`` with random q, k and v rows for its new tokens."""
+        rows = batch.num_tokens
         q = torch.randn(rows, SHAPE.num_heads, SHAPE.head_dim, generator=self.gen).to(torch.bfloat16)
         k = torch.randn(rows, SHAPE.num_kv_heads, SHAPE.head_dim, generator=self.gen).to(torch.bfloat16)
         v = torch.randn(rows, SHAPE.num_kv_heads, SHAPE.head_dim, generator=self.gen).to(torch.bfloat16)
         return batch, q, k, v
 
+    def moved_on(self, batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode batch after ``batch``: the same requests and table, each one token further, in a fresh slot."""
+        table, seq = batch.req_to_token, batch.seq_lens_cpu
+        out_loc = self.alloc.alloc(len(seq))
+        for i, n in enumerate(seq):
+            table[i, n] = out_loc[i]
+        return self.inputs(build_forward_batch([[1]] * len(seq), seq, list(range(len(seq))), out_loc, self.kv, table,
+                                               kv_history=self.alloc))
 
-def run_both(fast: TorchNativeBackend, pool: Pool, owns: list[tuple[int, int]]) -> TorchNativeMetadata:
-    """Plan and run one batch in ``fast`` and, over the same slots, in the gather path (which plans without kept
-    prefixes); assert they agree. Returns ``fast``'s plan."""
-    batch, q, k, v = pool.batch(owns)
+
+def run_both(fast: TorchNativeBackend, pool: Pool,
+             owns: list[tuple[int, int]] | tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]
+             ) -> TorchNativeMetadata:
+    """Plan and run one batch (``owns`` for ``Pool.batch``, or a batch and its inputs) in ``fast`` and, over the same
+    slots, in the gather path (which plans without kept prefixes); assert they agree. Returns ``fast``'s plan."""
+    batch, q, k, v = pool.batch(owns) if isinstance(owns, list) else owns
     fast.plan(batch)
     meta = batch.attn_metadata
     assert fast.decode_in_place(batch) is not None  # every batch here is the native decode stack's
@@ -118,3 +136,39 @@ def test_nothing_is_grouped_over_a_block_whose_pages_were_freed_since() -> None:
     batch, *_ = pool.batch([(0, 22)])
     fast.plan(batch)
     assert shared_parts(batch.attn_metadata) == []
+
+
+def test_a_decode_waves_next_step_takes_the_last_plans_groups_and_plans_its_own_parts() -> None:
+    fast = TorchNativeBackend(SHAPE)
+    pool = Pool()
+    run_both(fast, pool, [(10, 1), (12, 1), (15, 1), (20, 1)])  # the wave's packs, kept from here on
+    batch, q, k, v = pool.batch([(11, 1), (13, 1), (16, 1), (21, 1)])
+    first = run_both(fast, pool, (batch, q, k, v))
+    steps = [first]
+    for _ in range(2):
+        batch, q, k, v = pool.moved_on(batch)
+        steps.append(run_both(fast, pool, (batch, q, k, v)))  # the same outputs as the gather path's
+    before, now = steps[-2].cascade, steps[-1].cascade
+    assert before is not None and now is not None
+    assert now.shared is before.shared and now.groups == before.groups  # taken over, not planned again
+    assert now.decode is not None and before.decode is not None and now.decode.max_len == before.decode.max_len + 1
+    # what planning the step from scratch (a fresh finder, the same kept prefixes) gives
+    kept = [KeptPrefix(p.prefix_len, p.reuse_key) for p in now.shared if p.reuse_key is not None]
+    plan_batch(batch, SharedPrefixFinder(CascadePolicy()), kept)
+    fresh = batch.attn_metadata.cascade
+    assert fresh is not None and fresh.groups == now.groups and fresh.decode is not None
+    assert [(p.start, p.end, p.prefix_len, p.kv_start, p.reuse_key) for p in fresh.shared] == [
+        (p.start, p.end, p.prefix_len, p.kv_start, p.reuse_key) for p in now.shared]
+    assert all(torch.equal(a.slots, b.slots) for a, b in zip(fresh.shared, now.shared))
+    for name in ("kv_index", "lengths"):
+        assert torch.equal(getattr(fresh.decode, name), getattr(now.decode, name))
+
+
+def test_a_batch_that_is_not_the_last_one_moved_on_is_planned_afresh() -> None:
+    fast = TorchNativeBackend(SHAPE)
+    pool = Pool()
+    run_both(fast, pool, [(10, 1), (12, 1), (15, 1), (20, 1)])
+    last = run_both(fast, pool, [(11, 1), (13, 1), (16, 1), (21, 1)]).cascade  # planned with the same packs kept
+    other = run_both(fast, pool, [(30, 1), (40, 1)])  # two other requests under the block
+    assert other.cascade is not None and last is not None and other.cascade.shared is not last.shared
+    assert shared_parts(other) == [(2, BLOCK)]

@@ -355,6 +355,23 @@ def test_filtered_draws_follow_the_renormalised_distribution(settings, allowed):
     assert stat < chi_square_bound(len(allowed) - 1), (stat, counts[allowed_ids].tolist(), expected.tolist())
 
 
+@pytest.mark.parametrize("edited", [False, True])
+def test_the_logits_given_are_left_as_they_are(edited):
+    """The worker hands the model's logits over without a copy: whatever the rows ask for (greedy or drawn, with or
+    without penalties, bias and bans), the sampler edits a copy of its own."""
+    vocab, g = 2000, torch.Generator().manual_seed(3)
+    sampler = Sampler(vocab)
+    extra: dict[str, Any] = {"repetition_penalty": 1.3, "logit_bias": {5: 2.0}} if edited else {}
+    settings = [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.2, "top_k": 40},
+                {"temperature": 0.9, "min_p": 0.05}]
+    for batch in (settings[:1], settings[1:], settings):  # all greedy, all drawn, mixed
+        rows = [Row(SamplingParams(**sp, **extra), seed=7, output_ids=[1, 2], input_ids=[3, 4]) for sp in batch]
+        logits = model_like_logits(len(rows), vocab, g)
+        given = logits.clone()
+        sampler.sample(logits, sampler.prepare(rows))
+        assert torch.equal(logits, given)
+
+
 def test_all_greedy_batch_is_the_argmax():
     vocab = 300
     sampler = Sampler(vocab)
