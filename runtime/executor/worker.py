@@ -183,7 +183,7 @@ class ForwardWorker:
         sampled = None
         if item.sample_picks:
             # The sampler never writes into the logits it is given (it edits a copy of its own), so a step that
-            # samples every row in order hands them over as they are: the copy was ~0.1 ms of a batch-8 decode step.
+            # samples every row in order hands them over as they are (the copy: ~50 us for a batch-8 step's logits).
             picked = logits
             if item.sample_picks != list(range(logits.shape[0])):
                 picked = logits.index_select(0, torch.tensor(item.sample_picks, device=logits.device))
