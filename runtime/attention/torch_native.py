@@ -104,22 +104,21 @@ class TorchNativeBackend(AttentionBackend):
         # Gather buffers reused by every layer and step. Fresh multi-MB tensors per layer cost page faults
         # (the allocator hands big blocks back to the OS): on the dev VM that doubled batch-32 decode time.
         self._workspace: dict[str, torch.Tensor] = {}
-        self._last_shared: list[KeptPrefix] = []  # the last plan's shared prefixes (see plan)
-        self._last_plan: tuple[list[KeptPrefix], TorchNativeMetadata] | None = None  # its kept prefixes, itself
+        # the last plan, and the kept prefixes it was made with (see plan)
+        self._last_plan: tuple[list[KeptPrefix], TorchNativeMetadata] | None = None
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: ForwardBatch) -> None:
-        paged = self.paged
+        paged, last = self.paged, self._last_plan
         # the last batch's shared prefixes still packed: a prompt alone under one becomes a group of one over them
-        kept = [p for p in self._last_shared if paged is not None and paged.kept(p.key)]
-        last = self._last_plan
+        before = last[1].cascade if last is not None else None
+        kept = [KeptPrefix(p.prefix_len, p.reuse_key) for p in (before.shared if before is not None else [])
+                if paged is not None and p.reuse_key is not None and paged.kept(p.reuse_key)]
         plan_batch(batch, self._groups, kept, last[1] if last is not None and last[0] == kept else None)
         self._last_plan = (kept, batch.attn_metadata)
         if paged is not None:  # packed prefixes this batch does not share are dropped
             casc = batch.attn_metadata.cascade
-            shared = casc.shared if casc is not None else []
-            paged.keep_packed({p.reuse_key for p in shared})
-            self._last_shared = [KeptPrefix(p.prefix_len, p.reuse_key) for p in shared if p.reuse_key is not None]
+            paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else set())
 
     def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
         """For a planned batch whose rows read the pool in place and whose new K/V rows the store kernel takes: decode

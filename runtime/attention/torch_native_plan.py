@@ -202,7 +202,7 @@ def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[
                   shared_before: list[SharedPart] | None = None) -> CascadePlan:
     """The groups' plan; ``shared_before``: their shared parts as planned for the batch before (see plan_batch)."""
     rows: list[int] = []
-    shared: list[SharedPart] = []
+    spans: list[tuple[int, int]] = []  # each group's cascade rows
     prefills: list[PrefillChunk] = []
     single: list[int] = []
     single_skip: list[int] = []
@@ -220,10 +220,9 @@ def _cascade_plan(batch: ForwardBatch, groups: list[SharedPrefix], starts: list[
             elif ext > 1:
                 prefills.append(_prefill_chunk(batch, i, len(rows), pre, ext, dtype, g.prefix_len))
             rows.extend(range(starts[i], starts[i] + ext))
-        if shared_before is None:
-            shared.append(_shared_part(batch, g, first, len(rows)))
-    if shared_before is not None:
-        shared = shared_before
+        spans.append((first, len(rows)))
+    shared = shared_before if shared_before is not None else [
+        _shared_part(batch, g, start, end) for g, (start, end) in zip(groups, spans)]
     device = batch.seq_lens.device
     decode = None
     if single:

@@ -143,8 +143,7 @@ def test_a_decode_waves_next_step_takes_the_last_plans_groups_and_plans_its_own_
     pool = Pool()
     run_both(fast, pool, [(10, 1), (12, 1), (15, 1), (20, 1)])  # the wave's packs, kept from here on
     batch, q, k, v = pool.batch([(11, 1), (13, 1), (16, 1), (21, 1)])
-    first = run_both(fast, pool, (batch, q, k, v))
-    steps = [first]
+    steps = [run_both(fast, pool, (batch, q, k, v))]
     for _ in range(2):
         batch, q, k, v = pool.moved_on(batch)
         steps.append(run_both(fast, pool, (batch, q, k, v)))  # the same outputs as the gather path's
