@@ -246,6 +246,54 @@ def test_a_decode_batch_takes_every_layers_kept_pack_as_one_list_until_its_key_c
     assert all(a is not b for a, b in zip(moved, first))
 
 
+@requires_bf16_dot
+@pytest.mark.skipif(huge_pages_mode() == "never", reason="packs move onto huge pages only where the kernel has them")
+def test_a_new_groups_packs_take_the_huge_pages_of_a_forgotten_group_once_nothing_reads_them():
+    """A group's packs move into huge pages that the packs of a group forgotten before it held, once no pack of that
+    group is alive (fresh huge pages cost their first touch), and hold the bits of fresh packs there; while one is
+    still alive its pages are left alone."""
+    g = torch.Generator().manual_seed(8)
+    kv = KVStorage(KVShape(3, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 1024)
+    kv.k_buffer.normal_(generator=g)
+    kv.v_buffer.normal_(generator=g)
+    alloc = PagedAllocator(511, page_size=2)
+    prefix = alloc.alloc(300)
+    fast = TorchNativeBackend(SHAPE)
+    assert fast.paged is not None
+
+    def packs() -> list:
+        batch = group_batch(kv, prefix, [2, 4, 3, 5], alloc)
+        fast.plan(batch)
+        read = fast.decode_in_place(batch)
+        assert read is not None and len(read.shared) == 1
+        return read.shared[0].packs
+
+    def span(lists: list) -> set[int]:
+        return {t.data_ptr() for pack in lists for t in pack}
+
+    first = packs()
+    one_group = fast.paged.pack_pages_mapped
+    assert one_group > 0
+    held = first[0][0]  # one tensor of the first group's packs still alive: its mapping stays in use
+    before = held.clone()
+    first_at = span(first)
+    del first
+    alloc.free(prefix[:2].sort().values)  # a page under the prefix freed: a new key, the first group forgotten
+    second = packs()
+    assert fast.paged.pack_pages_mapped == 2 * one_group  # new pages: the first group's are still read
+    assert not span(second) & first_at and torch.equal(held, before)
+    second_at = span(second)
+    del held, second
+    alloc.free(prefix[2:4].sort().values)
+    third = packs()
+    assert fast.paged.pack_pages_mapped == 2 * one_group  # nothing mapped: a forgotten group's pages reused
+    assert span(third) <= first_at | second_at
+    for i, pack in enumerate(third):
+        fresh = KERNELS.pack_prefix(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1), prefix,
+                                    SHAPE.num_kv_heads, SHAPE.head_dim)
+        assert all(torch.equal(a, b) for a, b in zip(pack, fresh, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_attention_kernel_joins_two_parts_as_the_softmax_over_their_union(dtype):
     """merge_attention (one pass in place, the decode stack's and the layer path's) against the exact attention

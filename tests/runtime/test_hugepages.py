@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radix import hugepages
-from radix.hugepages import ALIGN, HUGE_PAGE, HugePageArena, anonymous, huge_pages_mode
+from radix.hugepages import ALIGN, HUGE_PAGE, HugePageArena, MappingPool, anonymous, huge_pages_mode
 from runtime.models.ops import PackedCpuOps
 from tests.memory_maps import vm_flags
 
@@ -66,6 +66,54 @@ def test_a_tensor_that_does_not_fit_opens_a_mapping_of_its_own():
 def test_only_contiguous_cpu_tensors_are_placed():
     with pytest.raises(ValueError, match="contiguous"):
         HugePageArena().place(torch.ones(4, 4).t())
+
+
+def test_the_pool_hands_a_mapping_out_again_only_once_nothing_over_it_is_alive():
+    pool = MappingPool(keep_bytes=64 * HUGE_PAGE)
+    first = pool.take(3 * HUGE_PAGE)
+    assert first.numel() == 3 * HUGE_PAGE and first.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in vm_flags(first.data_ptr())
+    address = first.data_ptr()
+    view = first[10:20].view(torch.int16)  # a view of it keeps the mapping in use
+    del first
+    second = pool.take(3 * HUGE_PAGE)
+    assert second.data_ptr() != address and pool.held == 2 * 3 * HUGE_PAGE
+    view.fill_(7)
+    del view
+    third = pool.take(2 * HUGE_PAGE)  # fits the idle one
+    assert third.data_ptr() == address and pool.mapped == pool.held == 6 * HUGE_PAGE
+    assert bool((second[:20] == 0).all())  # the other mapping was not written
+    big = pool.take(9 * HUGE_PAGE + 1)  # a size between powers of two: rounded up to an eighth of the next one
+    assert pool.held == 6 * HUGE_PAGE + 10 * HUGE_PAGE
+    del second, third
+    assert big.numel() == 9 * HUGE_PAGE + 1
+    assert pool.take(HUGE_PAGE).data_ptr() == address  # the smallest idle one that fits, the oldest of equals
+
+
+def test_the_pool_unmaps_idle_mappings_beyond_what_it_keeps_and_never_those_in_use():
+    pool = MappingPool(keep_bytes=4 * HUGE_PAGE)
+    kept = [pool.take(4 * HUGE_PAGE) for _ in range(3)]  # 12 pages in use: none idle, none unmapped
+    assert pool.held == 12 * HUGE_PAGE
+    del kept[:2]  # two idle mappings (8 pages): one is over the budget, dropped when the pool next maps
+    fresh = pool.take(5 * HUGE_PAGE)  # fits no idle one: a new mapping of 5 pages, and the oldest idle one goes
+    assert pool.held == (4 + 4 + 5) * HUGE_PAGE and fresh.numel() == 5 * HUGE_PAGE
+    mapped = pool.mapped
+    pool.take(4 * HUGE_PAGE)  # the idle one kept is handed out: nothing new mapped
+    assert pool.mapped == mapped and pool.held == (4 + 4 + 5) * HUGE_PAGE
+    assert bool((kept[0] == 0).all())  # the one in use is still mapped and readable
+
+
+def test_an_arena_over_a_pool_places_the_same_bits_in_reused_pages():
+    g = torch.Generator().manual_seed(1)
+    pool = MappingPool(keep_bytes=16 * HUGE_PAGE)
+    tensors = [torch.randn(1000, 300, generator=g), torch.randn(77, generator=g).bfloat16()]
+    first = [HugePageArena(chunk=HUGE_PAGE, pool=pool).place(t) for t in tensors]
+    address = first[0].data_ptr()
+    del first
+    again = HugePageArena(chunk=HUGE_PAGE, pool=pool)
+    placed = [again.place(t.flip(0).contiguous()) for t in tensors]
+    assert placed[0].data_ptr() == address  # the first arena's mapping, reused
+    assert all(torch.equal(p, t.flip(0)) for p, t in zip(placed, tensors))
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
