@@ -207,42 +207,59 @@ def test_backend_reuses_the_pack_while_the_prefix_is_untouched_and_repacks_when_
     assert fast.paged.kept_keys == set()
 
 
+class OneGroup:
+    """Four decode rows over one 300-slot prefix of a 3-layer bf16 pool, for a backend of their own: each call plans
+    them and returns the group's packs as the native decode stack reads them (one per layer) and its reuse key."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.kv = KVStorage(KVShape(3, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 1024)
+        self.kv.k_buffer.normal_(generator=g)
+        self.kv.v_buffer.normal_(generator=g)
+        self.alloc = PagedAllocator(511, page_size=2)
+        self.prefix = self.alloc.alloc(300)
+        self.backend = TorchNativeBackend(SHAPE)
+        assert self.backend.paged is not None
+        self.paged = self.backend.paged
+
+    def __call__(self) -> tuple[list, tuple]:
+        batch = group_batch(self.kv, self.prefix, [2, 4, 3, 5], self.alloc)  # (4 - 1) x 300 saved rows: one group
+        self.backend.plan(batch)
+        read = self.backend.decode_in_place(batch)
+        assert read is not None and len(read.shared) == 1
+        return read.shared[0].packs, batch.attn_metadata.cascade.shared[0].reuse_key
+
+    def free(self, start: int, end: int) -> None:
+        """Free prefix slots [start, end): a page under the prefix freed, so the next plan has a new key."""
+        self.alloc.free(self.prefix[start:end].sort().values)
+
+    def assert_fresh(self, packs: list) -> None:
+        """Each layer's pack holds the bits pack_prefix gives for the prefix now."""
+        kv = self.kv
+        for i, pack in enumerate(packs):
+            fresh = KERNELS.pack_prefix(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1),
+                                        self.prefix, SHAPE.num_kv_heads, SHAPE.head_dim)
+            assert all(torch.equal(a, b) for a, b in zip(pack, fresh, strict=True))
+
+
 @requires_bf16_dot
 def test_a_decode_batch_takes_every_layers_kept_pack_as_one_list_until_its_key_changes():
     """The native decode stack reads a group's packs of all layers as one list: the packs kept layer by layer,
     the same list on the group's later steps, and a new list of new packs once a page under the prefix was freed
     (the old key's packs, list included, are dropped at planning)."""
-    g = torch.Generator().manual_seed(6)
-    kv = KVStorage(KVShape(3, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 1024)
-    kv.k_buffer.normal_(generator=g)
-    kv.v_buffer.normal_(generator=g)
-    alloc = PagedAllocator(511, page_size=2)
-    prefix = alloc.alloc(300)
-    fast = TorchNativeBackend(SHAPE)
-    assert fast.paged is not None
-
-    def packs() -> tuple[list, tuple]:
-        batch = group_batch(kv, prefix, [2, 4, 3, 5], alloc)  # (4 - 1) x 300 saved rows: one group
-        fast.plan(batch)
-        read = fast.decode_in_place(batch)
-        assert read is not None and len(read.shared) == 1
-        return read.shared[0].packs, batch.attn_metadata.cascade.shared[0].reuse_key
-
-    first, key = packs()
-    kept = fast.paged.kept(key)
-    assert len(first) == 3 and all(first[i] is kept[(i, kv.k(i).data_ptr())] for i in range(3))
+    case = OneGroup(6)
+    first, key = case()
+    kept = case.paged.kept(key)
+    assert len(first) == 3 and all(first[i] is kept[(i, case.kv.k(i).data_ptr())] for i in range(3))
     # the complete list was moved onto huge pages (where the kernel has them) with the bits of a fresh pack
-    for i, pack in enumerate(first):
-        fresh = KERNELS.pack_prefix(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1), prefix,
-                                    SHAPE.num_kv_heads, SHAPE.head_dim)
-        assert all(torch.equal(a, b) for a, b in zip(pack, fresh, strict=True))
-        if huge_pages_mode() != "never":
-            assert all("hg" in vm_flags(t.data_ptr()) for t in pack)
-    again, same = packs()
+    case.assert_fresh(first)
+    if huge_pages_mode() != "never":
+        assert all("hg" in vm_flags(t.data_ptr()) for pack in first for t in pack)
+    again, same = case()
     assert same == key and again is first
-    alloc.free(prefix[:2].sort().values)
-    moved, new_key = packs()
-    assert new_key != key and moved is not first and fast.paged.kept_keys == {new_key}
+    case.free(0, 2)
+    moved, new_key = case()
+    assert new_key != key and moved is not first and case.paged.kept_keys == {new_key}
     assert all(a is not b for a, b in zip(moved, first))
 
 
@@ -252,46 +269,29 @@ def test_a_new_groups_packs_take_the_huge_pages_of_a_forgotten_group_once_nothin
     """A group's packs move into huge pages that the packs of a group forgotten before it held, once no pack of that
     group is alive (fresh huge pages cost their first touch), and hold the bits of fresh packs there; while one is
     still alive its pages are left alone."""
-    g = torch.Generator().manual_seed(8)
-    kv = KVStorage(KVShape(3, SHAPE.num_kv_heads, SHAPE.head_dim, torch.bfloat16), 1024)
-    kv.k_buffer.normal_(generator=g)
-    kv.v_buffer.normal_(generator=g)
-    alloc = PagedAllocator(511, page_size=2)
-    prefix = alloc.alloc(300)
-    fast = TorchNativeBackend(SHAPE)
-    assert fast.paged is not None
-
-    def packs() -> list:
-        batch = group_batch(kv, prefix, [2, 4, 3, 5], alloc)
-        fast.plan(batch)
-        read = fast.decode_in_place(batch)
-        assert read is not None and len(read.shared) == 1
-        return read.shared[0].packs
+    case = OneGroup(8)
 
     def span(lists: list) -> set[int]:
         return {t.data_ptr() for pack in lists for t in pack}
 
-    first = packs()
-    one_group = fast.paged.pack_pages_mapped
+    first = case()[0]
+    one_group = case.paged.pack_pages_mapped
     assert one_group > 0
     held = first[0][0]  # one tensor of the first group's packs still alive: its mapping stays in use
     before = held.clone()
     first_at = span(first)
     del first
-    alloc.free(prefix[:2].sort().values)  # a page under the prefix freed: a new key, the first group forgotten
-    second = packs()
-    assert fast.paged.pack_pages_mapped == 2 * one_group  # new pages: the first group's are still read
+    case.free(0, 2)  # a new key: the first group forgotten
+    second = case()[0]
+    assert case.paged.pack_pages_mapped == 2 * one_group  # new pages: the first group's are still read
     assert not span(second) & first_at and torch.equal(held, before)
     second_at = span(second)
     del held, second
-    alloc.free(prefix[2:4].sort().values)
-    third = packs()
-    assert fast.paged.pack_pages_mapped == 2 * one_group  # nothing mapped: a forgotten group's pages reused
+    case.free(2, 4)
+    third = case()[0]
+    assert case.paged.pack_pages_mapped == 2 * one_group  # nothing mapped: a forgotten group's pages reused
     assert span(third) <= first_at | second_at
-    for i, pack in enumerate(third):
-        fresh = KERNELS.pack_prefix(kv.k(i).view(kv.total_slots, -1), kv.v(i).view(kv.total_slots, -1), prefix,
-                                    SHAPE.num_kv_heads, SHAPE.head_dim)
-        assert all(torch.equal(a, b) for a, b in zip(pack, fresh, strict=True))
+    case.assert_fresh(third)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
