@@ -79,11 +79,16 @@ class MappingPool:
         self.keep_bytes = keep_bytes
         self._mappings: list[tuple[mmap.mmap, int]] = []  # (mapping, usable bytes), oldest first
         self.mapped = 0  # bytes of the mappings opened, over the pool's life
+        # what _idle reads for a mapping nothing else holds, measured the same way on a probe rather than assumed
+        # (how getrefcount counts its own argument is the interpreter's business)
+        probe = [(mmap.mmap(-1, mmap.PAGESIZE), 0)]
+        self._unheld = sys.getrefcount(probe[0][0])
+        probe[0][0].close()
 
     def _idle(self, i: int) -> bool:
         """Whether nothing but the pool holds mapping ``i``. Indexed, not passed: a name bound to the mapping would
         be one more reference."""
-        return sys.getrefcount(self._mappings[i][0]) <= 2  # the pool's tuple, and getrefcount's own argument
+        return sys.getrefcount(self._mappings[i][0]) <= self._unheld
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` on huge pages (contents undefined), in the smallest idle mapping that
