@@ -51,12 +51,18 @@ def _map(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     to the mapping (``torch.frombuffer``), which keeps it mapped."""
     # private: a shared anonymous mapping is shmem, whose huge pages follow another setting (often "never")
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # + alignment slack
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE
+    start, view = _aligned(mapping, nbytes)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None and nbytes:
         mapping.madvise(advice, start, len(mapping) - start)
-    return mapping, whole[start:start + nbytes]
+    return mapping, view
+
+
+def _aligned(mapping: mmap.mmap, nbytes: int) -> tuple[int, torch.Tensor]:
+    """The offset of ``mapping``'s first huge page boundary, and a uint8 tensor over ``nbytes`` from there."""
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return start, whole[start:start + nbytes]
 
 
 def anonymous(nbytes: int) -> torch.Tensor:
@@ -97,14 +103,11 @@ class MappingPool:
         fits = [i for i in range(len(self._mappings)) if self._mappings[i][1] >= nbytes and self._idle(i)]
         if fits:
             best = min(fits, key=lambda i: self._mappings[i][1])
-            whole = torch.frombuffer(self._mappings[best][0], dtype=torch.uint8)
-            start = -whole.data_ptr() % HUGE_PAGE
-            return whole[start:start + nbytes]
+            return _aligned(self._mappings[best][0], nbytes)[1]
         step = max(HUGE_PAGE, (1 << max(nbytes - 1, 1).bit_length()) // 8)
         capacity = _round_up(nbytes, step)
         mapping, view = _map(capacity)
         self._mappings.append((mapping, capacity))
-        del mapping
         self.mapped += capacity
         self._trim()
         return view[:nbytes]
@@ -113,13 +116,13 @@ class MappingPool:
         """Unmap the oldest idle mappings while the idle ones hold more than ``keep_bytes``."""
         idle = [i for i in range(len(self._mappings)) if self._idle(i)]
         excess = sum(self._mappings[i][1] for i in idle) - self.keep_bytes
-        dropped = set()
+        dropped: list[int] = []  # oldest first, as idle is
         for i in idle:
             if excess <= 0:
                 break
             excess -= self._mappings[i][1]
-            dropped.add(i)
-        for i in sorted(dropped, reverse=True):
+            dropped.append(i)
+        for i in reversed(dropped):
             self._mappings.pop(i)[0].close()
 
     @property
