@@ -15,12 +15,14 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 - a cascade group's shared part: 1, 4, 8 and 16 decode rows against a kept 1,050-key pack, 30 layers;
 - prefill chunks through the same kernel (packed per call): a ~20-token question after a 1,050-token block, 170
   tokens after it, a cold 1,024-token chunk;
+- the shared part (1 and 8 rows) and the three chunks over int8 KV pools, each build packing the prefix with its own
+  ``pack_prefix`` (a pack's format is the build's own business);
 - a cascade group's merge of the two parts into 8 and 160 bf16 rows (a decode batch; 7 few-shot questions), 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
   169, a few-shot prefill's rows), where the host has the instructions;
 - the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
   batch 8 under a kept 1,050-key shared block with ~40 own positions per row (a few-shot batch), bf16 and int8
-  weights over a bf16 pool;
+  weights over a bf16 pool, and int8 weights over an int8 pool;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``).
 
@@ -76,27 +78,39 @@ def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, fmt: 
     return run
 
 
-def shared_case(k_this: ModuleType, g: torch.Generator, rows: int = 8) -> Case:
-    """A cascade group's ``rows`` decode rows against its kept 1,050-key pack, 30 layers."""
+def own_packs(make: Callable[[ModuleType], Any]) -> Callable[[ModuleType], Any]:
+    """``make(k)`` once per build: each build's own packs (an int8 pool's may be in another format per build)."""
+    made: dict[int, Any] = {}
+
+    def get(k: ModuleType) -> Any:
+        if id(k) not in made:
+            made[id(k)] = make(k)
+        return made[id(k)]
+
+    return get
+
+
+def shared_case(g: torch.Generator, rows: int = 8, fmt: str = "bfloat16") -> Case:
+    """A cascade group's ``rows`` decode rows against its kept 1,050-key pack over ``fmt`` pools, 30 layers."""
     prefix, slots = 1050, 4096
-    layer_pools = [pools(slots, g) for _ in range(LAYERS)]
+    layer_pools = [pools(slots, g, fmt) for _ in range(LAYERS)]
     index = torch.randperm(slots, generator=g)[:prefix].sort().values
-    packs = [k_this.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools]
+    packs = own_packs(lambda k: [k.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools])
     q = torch.randn(rows, HEADS, DIM, generator=g).bfloat16()
     lengths = torch.full((rows,), prefix, dtype=torch.int64)
 
     def run(k: ModuleType) -> None:
-        for (kp, vp), pack in zip(layer_pools, packs):
+        for (kp, vp), pack in zip(layer_pools, packs(k)):
             k.extend_attention(q, kp, vp, index, lengths, SCALE, KV_HEADS, pack)
 
     return run
 
 
-def chunk_case(tokens: int, prefix: int, g: torch.Generator) -> Case:
+def chunk_case(tokens: int, prefix: int, g: torch.Generator, fmt: str = "bfloat16") -> Case:
     """A prefill chunk of ``tokens`` new tokens over ``prefix`` cached ones (token i sees prefix + i + 1 slots),
-    packed in the call as a chunk is, 30 layers' pools."""
+    packed in the call as a chunk is, 30 layers' ``fmt`` pools."""
     slots = 4096
-    layer_pools = [pools(slots, g) for _ in range(LAYERS)]
+    layer_pools = [pools(slots, g, fmt) for _ in range(LAYERS)]
     index = torch.randperm(slots, generator=g)[: prefix + tokens].sort().values
     q = torch.randn(tokens, HEADS, DIM, generator=g).bfloat16()
     lengths = torch.arange(prefix + 1, prefix + tokens + 1)
@@ -140,21 +154,23 @@ def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, a
     return run
 
 
-def stack_case(fmt: str, k_this: ModuleType, g: torch.Generator, batch: int = 8, prefix: int = 1050,
-               own: int = 40) -> Case:
+def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050, own: int = 40,
+               kv: str = "bfloat16") -> Case:
     """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows under one shared
-    ``prefix`` (packed once, as the backend keeps it) with ``own`` positions each, ``fmt`` weights, a bf16 pool."""
+    ``prefix`` (packed once per build, as the backend keeps it) with ``own`` positions each, ``fmt`` weights, a
+    ``kv`` pool (bfloat16 or int8)."""
     layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
     hidden = LINEAR_SHAPES[0][1]
     weights = [[pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for n, kk in LINEAR_SHAPES]
                for _ in range(LAYERS)]
     norms = [(torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16()) for _ in range(LAYERS)]
     slots = prefix + batch * (own + 1) + 64
-    k_buf = (torch.randn(LAYERS, slots, KV_HEADS, DIM, generator=g) * 0.5).bfloat16()
-    v_buf = torch.randn(LAYERS, slots, KV_HEADS, DIM, generator=g).bfloat16()
+    layer_pools = [pools(slots, g, kv) for _ in range(LAYERS)]
+    # [layers, slots, kv_heads, row] as KVStorage holds them (row: DIM, or DIM + 4 for the int8 format)
+    k_buf, v_buf = (torch.stack([p[i] for p in layer_pools]).view(LAYERS, slots, KV_HEADS, -1) for i in (0, 1))
     shared = torch.arange(prefix)
-    packs = [k_this.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared, KV_HEADS, DIM)
-             for i in range(LAYERS)]
+    packs = own_packs(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared, KV_HEADS,
+                                               DIM) for i in range(LAYERS)])
     kv_index = torch.stack([prefix + r * (own + 1) + torch.arange(own + 1) for r in range(batch)])
     lengths = torch.full((batch,), own + 1, dtype=torch.int64)
     new_slots = kv_index[:, -1].contiguous()
@@ -170,7 +186,7 @@ def stack_case(fmt: str, k_this: ModuleType, g: torch.Generator, batch: int = 8,
                 stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
                                 [None] * 4)
             group = k.SharedGroup(0, batch, shared, torch.full((batch,), prefix, dtype=torch.int64),
-                                  [list(p) for p in packs])
+                                  [list(p) for p in packs(k)])
             built[id(k)] = (stack, group)
         stack, group = built[id(k)]
         stack.run(x.clone(), cos, sin, new_slots, kv_index, lengths, k_buf, v_buf, [group])
@@ -206,18 +222,26 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         out[f"cascade merge, {rows} rows, 30 layers"] = merge_case(rows, g)
     if k_this.bf16_dot():
         for rows in (1, 4, 8, 16):
-            out[f"shared part, {rows} row(s) x 1,050 kept keys, 30 layers"] = shared_case(k_this, g, rows)
+            out[f"shared part, {rows} row(s) x 1,050 kept keys, 30 layers"] = shared_case(g, rows)
         for tokens, prefix in ((20, 1050), (170, 1050), (1024, 0)):  # a question alone, 7 of them, a cold chunk
             out[f"prefill chunk, {tokens} tokens over {prefix} cached, 30 layers"] = chunk_case(tokens, prefix, g)
+        for rows in (1, 8):
+            out[f"shared part over an int8 pool, {rows} row(s) x 1,050 kept keys, 30 layers"] = shared_case(
+                g, rows, "int8")
+        for tokens, prefix in ((20, 1050), (170, 1050), (1024, 0)):
+            out[f"prefill chunk over an int8 pool, {tokens} tokens over {prefix} cached, 30 layers"] = chunk_case(
+                tokens, prefix, g, "int8")
         for rows in (1, 2, 4, 8, 16):
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
     if k_this.int8_vnni():
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
     if k_this.bf16_dot():
-        out["decode stack, batch 8 under a 1,050-key shared block, bf16 weights"] = stack_case("bfloat16", k_this, g)
+        out["decode stack, batch 8 under a 1,050-key shared block, bf16 weights"] = stack_case("bfloat16", g)
         if k_this.int8_vnni():
-            out["decode stack, batch 8 under a 1,050-key shared block, int8 weights"] = stack_case("int8", k_this, g)
+            out["decode stack, batch 8 under a 1,050-key shared block, int8 weights"] = stack_case("int8", g)
+            out["decode stack, batch 8 under a 1,050-key shared block, int8 weights, int8 pool"] = stack_case(
+                "int8", g, kv="int8")
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     return out
 
