@@ -32,6 +32,7 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import tempfile
@@ -78,24 +79,13 @@ def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, fmt: 
     return run
 
 
-def own_packs(make: Callable[[ModuleType], Any]) -> Callable[[ModuleType], Any]:
-    """``make(k)`` once per build: each build's own packs (an int8 pool's may be in another format per build)."""
-    made: dict[int, Any] = {}
-
-    def get(k: ModuleType) -> Any:
-        if id(k) not in made:
-            made[id(k)] = make(k)
-        return made[id(k)]
-
-    return get
-
-
 def shared_case(g: torch.Generator, rows: int = 8, fmt: str = "bfloat16") -> Case:
     """A cascade group's ``rows`` decode rows against its kept 1,050-key pack over ``fmt`` pools, 30 layers."""
     prefix, slots = 1050, 4096
     layer_pools = [pools(slots, g, fmt) for _ in range(LAYERS)]
     index = torch.randperm(slots, generator=g)[:prefix].sort().values
-    packs = own_packs(lambda k: [k.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools])
+    # each build's own packs, made once (an int8 pool's may be in another format per build)
+    packs = functools.cache(lambda k: [k.pack_prefix(kp, vp, index, KV_HEADS, DIM) for kp, vp in layer_pools])
     q = torch.randn(rows, HEADS, DIM, generator=g).bfloat16()
     lengths = torch.full((rows,), prefix, dtype=torch.int64)
 
@@ -169,8 +159,8 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
     # [layers, slots, kv_heads, row] as KVStorage holds them (row: DIM, or DIM + 4 for the int8 format)
     k_buf, v_buf = (torch.stack([p[i] for p in layer_pools]).view(LAYERS, slots, KV_HEADS, -1) for i in (0, 1))
     shared = torch.arange(prefix)
-    packs = own_packs(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared, KV_HEADS,
-                                               DIM) for i in range(LAYERS)])
+    packs = functools.cache(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared,
+                                                     KV_HEADS, DIM) for i in range(LAYERS)])
     kv_index = torch.stack([prefix + r * (own + 1) + torch.arange(own + 1) for r in range(batch)])
     lengths = torch.full((batch,), own + 1, dtype=torch.int64)
     new_slots = kv_index[:, -1].contiguous()
