@@ -19,7 +19,7 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
   ``pack_prefix`` (a pack's format is the build's own business);
 - a cascade group's merge of the two parts into 8 and 160 bf16 rows (a decode batch; 7 few-shot questions), 30 layers;
 - the linear layers of 30 decoder layers (qkv, o, gate/up, down), bf16 and int8, at 1 and 8 rows (int8 also at
-  169, a few-shot prefill's rows), where the host has the instructions;
+  169, a few-shot prefill's rows), where the host has the instructions, and fp32 (the portable kernel) at 1 and 8;
 - the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
   batch 8 under a kept 1,050-key shared block with ~40 own positions per row (a few-shot batch), bf16 and int8
   weights over a bf16 pool, and int8 weights over an int8 pool;
@@ -129,10 +129,12 @@ def merge_case(rows: int, g: torch.Generator) -> Case:
 def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, act_block: int = 32) -> Case:
     """``layers`` decoder layers' linear layers at ``rows`` rows, run by the kernel module it is given;
     ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
-    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+    layout = {"int8": "vnni", "bfloat16": "bf16pair", "float32": "kmajor"}[fmt]
     weights = [pack_weight(torch.randn(n, k, generator=g) * 0.05, fmt, layout)
                for _ in range(layers) for n, k in LINEAR_SHAPES]
-    xs = {k: torch.randn(rows, k, generator=g).bfloat16() for _, k in LINEAR_SHAPES}
+    # an fp32 model's activations are fp32 (the portable kernel, every host's --dtype float32); the others' bf16
+    xs = {k: torch.randn(rows, k, generator=g).to(torch.float32 if fmt == "float32" else torch.bfloat16)
+          for _, k in LINEAR_SHAPES}
     built: dict[int, list[Any]] = {}
 
     def run(k: ModuleType) -> None:
@@ -223,6 +225,8 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
                 tokens, prefix, g, "int8")
         for rows in (1, 2, 4, 8, 16):
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
+    for rows in (1, 8):  # the portable kernel (fp32 weights k-major): an AVX2 host's default format
+        out[f"fp32 linear layers, {rows} row(s)"] = linear_case("float32", rows, g)
     if k_this.int8_vnni():
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)

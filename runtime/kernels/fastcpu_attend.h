@@ -22,13 +22,20 @@ constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are 
 // from memory, 30 layers, the two builds alternated in one process (bench_kernel_ab.py, five runs): batch 1 took
 // 0.89-1.00x the time, batch 8 0.91-0.99x, where unchanged kernels varied by +-10%; six tiles were slower.
 // An int8 row (d values and a 4-byte scale) starts anywhere in a cache line: its first and last bytes are fetched.
+// bf16 and fp32 rows are asked for into L2 (prefetcht2), int8 rows into L1: 30 layers from memory, both hints
+// alternated in one process (bench_kernel_ab.py, Zen 4 VM), L2 took 0.90-0.92x the time at batch 8 and 0.94-1.01x at
+// batch 1 over a bf16 pool, 0.70-0.78x over fp32, and over int8 1.03-1.04x at batch 1, 0.95-1.00x at batch 8.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+  if constexpr (kInt8) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+  } else {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T2);
+  }
 }
 
 // How much of a slot's row prefetch_row asks for in a work item's pass over one KV head (head_off: the head's

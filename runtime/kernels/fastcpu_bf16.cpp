@@ -56,10 +56,13 @@ std::vector<uint32_t> pair_rows(const torch::Tensor& x, int64_t m, int64_t k, in
   return out;
 }
 
-// MR rows x the panel's 64 columns (4 vectors of 16).
+// MR rows x the panel's 64 columns (4 vectors of 16). `to_l2`: the panel ahead is asked for into L2 (prefetcht2)
+// instead of L1, for products of one or two rows (one light pass per panel): the 120 linears of 30 layers from
+// memory took 0.93x the time at 1 row and 0.91-0.95x at 2 (bench_kernel_ab.py, the hints alternated in one
+// process, Zen 4 VM), but 1.05-1.26x at 8 rows and 1.13x at 16, where a 6-row pass wants its lines in L1.
 template <int MR>
 inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, const fastcpu::ProductDest& out,
-                 int64_t cn, const float* bias) {
+                 int64_t cn, const float* bias, bool to_l2) {
   constexpr int NV = 4;
   __m512 acc[MR][NV];
   for (int a = 0; a < MR; ++a)
@@ -67,7 +70,11 @@ inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, const
   for (int64_t g = 0; g < pairs; ++g) {
     const uint16_t* wg = panel + g * kPairElems;
     const char* ahead = reinterpret_cast<const char*>(wg) + kPrefetchBytes;
-    for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    if (to_l2) {
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T2);
+    } else {
+      for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     __m512bh w[NV];
     for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wg + 32 * v);
     for (int a = 0; a < MR; ++a) {
@@ -90,6 +97,7 @@ inline void tile(const uint32_t* xp, int64_t pairs, const uint16_t* panel, const
 void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_t* packed, const float* bias,
                       const fastcpu::ProductDest& dest, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const bool to_l2 = m <= 2;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = packed + p * pairs * kPairElems;
@@ -99,12 +107,12 @@ void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16
         const uint32_t* xr = xp + r0 * pairs;
         const fastcpu::ProductDest out = dest.at(r0, c0);
         switch (std::min<int64_t>(6, m - r0)) {
-          case 6: tile<6>(xr, pairs, panel, out, cn, bp); break;
-          case 5: tile<5>(xr, pairs, panel, out, cn, bp); break;
-          case 4: tile<4>(xr, pairs, panel, out, cn, bp); break;
-          case 3: tile<3>(xr, pairs, panel, out, cn, bp); break;
-          case 2: tile<2>(xr, pairs, panel, out, cn, bp); break;
-          default: tile<1>(xr, pairs, panel, out, cn, bp); break;
+          case 6: tile<6>(xr, pairs, panel, out, cn, bp, to_l2); break;
+          case 5: tile<5>(xr, pairs, panel, out, cn, bp, to_l2); break;
+          case 4: tile<4>(xr, pairs, panel, out, cn, bp, to_l2); break;
+          case 3: tile<3>(xr, pairs, panel, out, cn, bp, to_l2); break;
+          case 2: tile<2>(xr, pairs, panel, out, cn, bp, to_l2); break;
+          default: tile<1>(xr, pairs, panel, out, cn, bp, to_l2); break;
         }
       }
     }
