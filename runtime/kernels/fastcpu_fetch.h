@@ -91,7 +91,7 @@ class FetchCursor {
 // Both ask for L2 (prefetcht2), not L1: the pass's own loads move a line on into L1 when they reach it. The 120
 // int8 linears of 30 layers from memory, both hints alternated in one process (bench_kernel_ab.py, 16 rounds, three
 // runs on the Zen 4 VM): 0.85-0.93x the time at 1 row, 0.92x at 8, 0.99x at 169; the batch-8 stack 0.94-0.95x.
-// Asking for L1 only for the panel itself and L2 for the next one's quarters lost most of it (8 rows: 1.22x).
+// L2 for the panel's own lines but L1 for the next panel's quarters took 1.22x the time of both in L2 at 8 rows.
 struct PassFetch {
   const char* base = nullptr;  // null: nothing
   int lines = 0;  // lines asked for per k-group
