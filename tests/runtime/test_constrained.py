@@ -81,6 +81,12 @@ def test_mixed_batch_chunked_prefill_and_retraction(tiny_engine):
         elif i % 3 == 1:
             p["regex"] = REGEX
         params.append(p)
+    # Grammars compile on a background thread and a request waits for its own: compiled first, the mixed batch's
+    # requests are all admissible on arrival, so its schedule (and the retraction it forces) does not depend on
+    # how fast the compile thread ran on a loaded machine.
+    engine.generate(input_ids=[[7, 8, 9], [7, 8, 10]],
+                    sampling_params=[{"max_new_tokens": 1, "json_schema": json.dumps(SCHEMA)},
+                                     {"max_new_tokens": 1, "regex": REGEX}])
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert engine.server_info()["scheduler"]["retractions"] > 0
     for i, o in enumerate(outs):
