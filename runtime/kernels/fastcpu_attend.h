@@ -30,12 +30,9 @@ inline void prefetch_row(const KV* row, int64_t d) {
   const char* p = reinterpret_cast<const char*>(row);
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t bytes = d * static_cast<int64_t>(sizeof(KV)) + (kInt8 ? 4 : 0);
-  if constexpr (kInt8) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
-  } else {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T2);
-  }
+  constexpr auto kHint = kInt8 ? _MM_HINT_T0 : _MM_HINT_T2;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, kHint);
+  if constexpr (kInt8) _mm_prefetch(p + bytes - 1, kHint);
 }
 
 // How much of a slot's row prefetch_row asks for in a work item's pass over one KV head (head_off: the head's
