@@ -93,7 +93,7 @@ template <typename W>
 void linear_packed_impl(const float* x, int64_t ldx, int64_t m, int64_t k, const W* packed, const float* scale,
                         const float* bias, float* y, int64_t ldy, int64_t n, bool accumulate) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  fastcpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = packed + p * k * kPanel;
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
@@ -124,7 +124,7 @@ void linear_packed_impl(const float* x, int64_t ldx, int64_t m, int64_t k, const
 
 template <typename T>
 void rms_norm_impl(const T* x, int64_t ldx, const T* w, T* y, int64_t m, int64_t d, float eps) {
-  at::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
+  fastcpu::parallel_for(0, m, 8, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* row = x + r * ldx;
       v16 acc = splat(0.f);
@@ -143,7 +143,7 @@ void rms_norm_impl(const T* x, int64_t ldx, const T* w, T* y, int64_t m, int64_t
 
 template <typename T>
 void silu_mul_impl(const T* gu, int64_t ldg, T* y, int64_t m, int64_t inter) {
-  at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+  fastcpu::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (int64_t i = 0; i < inter; i += 16) {
         const v16 g = load(gu + r * ldg + i);
@@ -158,7 +158,7 @@ void rotary_impl(const T* x, int64_t ldx, int64_t heads, int64_t d, const T* cos
   const int64_t half = d / 2;
   // 32 rows a chunk: a decode batch's few rows (8 x 12 heads: ~6k values) run on the calling thread, where a
   // parallel region cost more than the rotation (6-8 us a layer against ~1)
-  at::parallel_for(0, t, 32, [&](int64_t b, int64_t e) {
+  fastcpu::parallel_for(0, t, 32, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r)
       for (int64_t h = 0; h < heads; ++h) {
         const T* xh = x + r * ldx + h * d;
@@ -279,7 +279,7 @@ template <typename T>
 void quantize_rows(const torch::Tensor& x, int8_t* pool, const int64_t* sp, int64_t heads, int64_t d) {
   const T* src = x.data_ptr<T>();
   const int64_t ld = x.stride(0), row = d + 4;
-  at::parallel_for(0, x.size(0), 64, [&](int64_t b, int64_t e) {
+  fastcpu::parallel_for(0, x.size(0), 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       for (int64_t h = 0; h < heads; ++h) quantize_row(src + i * ld + h * d, d, pool + (sp[i] * heads + h) * row);
   });
@@ -323,7 +323,7 @@ void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
   const int64_t kld = k.stride(0) * k.element_size(), vld = v.stride(0) * v.element_size();
-  at::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
+  fastcpu::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       std::memcpy(kp + sp[i] * bytes, ks + i * kld, bytes);
       std::memcpy(vp + sp[i] * bytes, vs + i * vld, bytes);
@@ -341,7 +341,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   torch::Tensor out = torch::empty({n}, logits.options().dtype(torch::kInt64));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, n, 4, [&](int64_t r0, int64_t r1) {
+  fastcpu::parallel_for(0, n, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = x + r * ld;
       v16 best = splat(-INFINITY);

@@ -290,7 +290,7 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
     }
   });
   if (one_range) return {out, lse};
-  at::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
+  fastcpu::parallel_for(0, b * h, 16, [&](int64_t begin, int64_t end) {
     alignas(64) float o[kMaxDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / h, head = item % h;

@@ -88,6 +88,11 @@ class DecodeStack {
     TORCH_CHECK(linears.size() == 4 && biases.size() == 4, "a layer has four linears (qkv, o, gate_up, down)");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {linears[0], biases[0]},
                             {linears[1], biases[1]}, {linears[2], biases[2]}, {linears[3], biases[3]}});
+    for (const PackedLinear& lin : linears) {
+      const int64_t panels = lin.data.size(0);
+      weights_.push_back({static_cast<const char*>(lin.data.data_ptr()), panels,
+                          static_cast<int64_t>(lin.data.nbytes()) / panels});
+    }
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -112,41 +117,57 @@ class DecodeStack {
     // a slot's row in the pool: kv_size values, or in the int8 format each head's d values and its scale
     const int64_t total_slots = k_buffer.size(1), slot_row = kv_heads_ * k_buffer.size(3);
     check_decode_slots(kv_index, row_index, lengths, total_slots);  // once: every layer reads the same slots
-    for (int64_t i = 0; i < num_layers(); ++i) {
-      const Layer& layer = layers_[i];
-      const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, slot_row});
-      const torch::Tensor v_pool = v_buffer.select(0, i).view({total_slots, slot_row});
-      torch::Tensor qkv = layer.qkv.run(rms_norm(residual, layer.input_norm, eps_), c10::nullopt);
-      // q and k heads side by side: one rotation for both
-      torch::Tensor qk =
-          rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, d_}), cos, sin_signed);
-      store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
-               qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
-      const torch::Tensor q = qk.narrow(1, 0, heads_);
-      std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, row_index, lengths,
-                                                                  scale_, kv_heads_);
-      const torch::Tensor attn = own[0].contiguous();
-      // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
-      fastcpu::FetchPlan next;
-      for (const Linear* lin : {&layer.o, &layer.gate_up, &layer.down}) next.add(lin->weight.data);
-      for (const SharedGroup& g : shared) {
-        const int64_t n = g.end - g.start;
-        c10::optional<std::vector<torch::Tensor>> pack;
-        if (!g.packs.empty() && !g.packs[i].empty()) pack = g.packs[i];
-        std::vector<torch::Tensor> part = extend_attention(q.narrow(0, g.start, n), k_pool, v_pool, g.slots, g.lengths,
-                                                           scale_, kv_heads_, pack, &next);
-        merge_attention(attn.narrow(0, g.start, n), own[1].narrow(0, g.start, n), part[0], part[1]);
+    fastcpu::Team::run([&](fastcpu::Team& team) {
+      // The linears split their panels between threads as the plan's shares assume up to kInt8ChunkRows rows
+      // (past that int8 splits a panel's rows too): a decode batch's idle threads fetch the next weights.
+      if (t <= fastcpu::kInt8ChunkRows) team.fetch_ahead(&weights_);
+      for (int64_t i = 0; i < num_layers(); ++i) {
+        const Layer& layer = layers_[i];
+        const int64_t first = 4 * i;  // the layer's qkv in weights_, then o, gate/up, down
+        const torch::Tensor k_pool = k_buffer.select(0, i).view({total_slots, slot_row});
+        const torch::Tensor v_pool = v_buffer.select(0, i).view({total_slots, slot_row});
+        // Before each linear runs, the idle threads move on to the one after it: a thread that finishes its
+        // share early fetches ahead instead of walking the share it has just read.
+        const torch::Tensor x = rms_norm(residual, layer.input_norm, eps_);
+        team.ahead_from(first + 1);
+        torch::Tensor qkv = layer.qkv.run(x, c10::nullopt);
+        // q and k heads side by side: one rotation for both
+        torch::Tensor qk =
+            rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, d_}), cos, sin_signed);
+        store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
+                 qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
+        const torch::Tensor q = qk.narrow(1, 0, heads_);
+        std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, row_index, lengths,
+                                                                    scale_, kv_heads_);
+        const torch::Tensor attn = own[0].contiguous();
+        // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
+        fastcpu::FetchPlan next;
+        for (const Linear* lin : {&layer.o, &layer.gate_up, &layer.down}) next.add(lin->weight.data);
+        for (const SharedGroup& g : shared) {
+          const int64_t n = g.end - g.start;
+          c10::optional<std::vector<torch::Tensor>> pack;
+          if (!g.packs.empty() && !g.packs[i].empty()) pack = g.packs[i];
+          std::vector<torch::Tensor> part = extend_attention(q.narrow(0, g.start, n), k_pool, v_pool, g.slots,
+                                                             g.lengths, scale_, kv_heads_, pack, &next);
+          merge_attention(attn.narrow(0, g.start, n), own[1].narrow(0, g.start, n), part[0], part[1]);
+        }
+        team.ahead_from(first + 2);
+        layer.o.run(attn.view({t, q_size}), residual);
+        const torch::Tensor h = rms_norm(residual, layer.post_norm, eps_);
+        team.ahead_from(first + 3);
+        torch::Tensor gate_up = layer.gate_up.run(h, c10::nullopt);
+        const torch::Tensor act = silu_mul(gate_up);
+        team.ahead_from(first + 4);
+        layer.down.run(act, residual);
       }
-      layer.o.run(attn.view({t, q_size}), residual);
-      torch::Tensor gate_up = layer.gate_up.run(rms_norm(residual, layer.post_norm, eps_), c10::nullopt);
-      layer.down.run(silu_mul(gate_up), residual);
-    }
+    });
   }
 
  private:
   int64_t heads_, kv_heads_, d_;
   double eps_, scale_;
   std::vector<Layer> layers_;
+  std::vector<fastcpu::PanelWeight> weights_;  // every layer's qkv, o, gate/up and down, in the order they run
 };
 
 }  // namespace

@@ -146,7 +146,7 @@ void pack_tile(const PoolRows& pool, int64_t kvh, const int64_t* slots, int64_t 
 void pack_heads(const PoolRows& pool, int64_t hkv, int64_t d, const int64_t* slots, int64_t s, int64_t padded,
                 uint16_t* kp, uint16_t* vp) {
   const int64_t tiles = padded / kKeys;
-  at::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
+  fastcpu::parallel_for(0, hkv * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / tiles;
       pack_tile(pool, kvh, slots, s, d, item % tiles, kp + kvh * padded * d, vp + kvh * padded * d);
@@ -467,7 +467,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
 #else
   const bool on_tiles = false;
 #endif
-  const int64_t brows = block_rows(rows, hkv, at::get_num_threads(), on_tiles);
+  const int64_t brows = block_rows(rows, hkv, fastcpu::num_threads(), on_tiles);
   const int64_t blocks = (rows + brows - 1) / brows;
   auto opts = q.options().dtype(torch::kFloat32);
   torch::Tensor out = torch::empty({t_count, h, d}, opts);
@@ -504,7 +504,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   const fastcpu::TileConfig tile_config = attention_tiles(static_cast<int>(brows));
 #endif
   parallel_by_cost(hkv * blocks, block_cost, [&](int64_t begin, int64_t end) {
-    FetchCursor ahead(fetch, at::get_thread_num(), at::get_num_threads());
+    FetchCursor ahead(fetch, at::get_thread_num(), fastcpu::num_threads());
 #ifdef FASTCPU_AMX
     std::optional<fastcpu::TileScope> tiles;
     if (on_tiles) tiles.emplace(tile_config);
@@ -618,7 +618,7 @@ void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_share
   const bool vec = out.stride(2) == 1 && d % 16 == 0;
   const auto merge = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
-    at::parallel_for(0, n * h, kMergeGrain, [&](int64_t begin, int64_t end) {
+    fastcpu::parallel_for(0, n * h, kMergeGrain, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t r = item / h, head = item % h;
         const float w = 1.0f / (1.0f + std::exp(lp[r * lse.stride(0) + head * lse.stride(1)] - lsp[item]));

@@ -19,6 +19,8 @@
 
 #include <torch/extension.h>
 
+#include "fastcpu_team.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -28,10 +30,7 @@ namespace fastcpu {
 
 struct FetchPlan {
   static constexpr int kMaxWeights = 4;
-  struct Weight {
-    const char* data;
-    int64_t panels, panel_bytes;
-  };
+  using Weight = PanelWeight;
   Weight weights[kMaxWeights];
   int count = 0;
 
@@ -52,10 +51,8 @@ class FetchCursor {
   FetchCursor(const FetchPlan* plan, int64_t thread, int64_t threads) {
     if (plan == nullptr || threads <= 0) return;
     for (int i = 0; i < plan->count; ++i) {
-      const FetchPlan::Weight& w = plan->weights[i];
-      const int64_t chunk = (w.panels + threads - 1) / threads;
-      const int64_t p0 = std::min(w.panels, thread * chunk), p1 = std::min(w.panels, p0 + chunk);
-      if (p0 < p1) spans_[spans_count_++] = {w.data + p0 * w.panel_bytes, w.data + p1 * w.panel_bytes};
+      const auto [begin, end] = plan->weights[i].share(thread, threads);
+      if (begin < end) spans_[spans_count_++] = {begin, end};
     }
   }
 

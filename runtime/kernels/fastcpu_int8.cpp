@@ -29,6 +29,7 @@
 
 #include "fastcpu_amx.h"
 #include "fastcpu_fetch.h"
+#include "fastcpu_ops.h"
 #include "fastcpu_vec.h"
 
 namespace {
@@ -66,7 +67,7 @@ QuantRows quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t b
   out.q.assign(m * out.ld, 0);
   out.scale.assign(m * out.nb, 0.f);
   out.corr.assign(m, 0.f);
-  at::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r_begin, int64_t r_end) {
+  fastcpu::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r_begin, int64_t r_end) {
     for (int64_t r = r_begin; r < r_end; ++r) {
       for (int64_t b = 0; b < out.nb; ++b) {
         const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
@@ -163,10 +164,10 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
   // Work items are (panel, chunk of kChunkRows rows), a panel's chunks in a row so that a thread keeps its
   // panel in cache across them: with whole panels only, a 576-column layer's 9 panels split 5 / 4 over two
   // threads at prefill sizes.
-  constexpr int64_t kChunkRows = 48;
+  constexpr int64_t kChunkRows = fastcpu::kInt8ChunkRows;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   const int64_t panel_bytes = groups * kGroupBytes;
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
+  fastcpu::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / chunks, r_begin = (i % chunks) * kChunkRows, r_end = std::min(m, r_begin + kChunkRows);
       const uint8_t* panel = packed + p * panel_bytes;
@@ -302,7 +303,7 @@ void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8
   const int64_t block_bytes = xq.block / 4 * kGroupBytes;
   const fastcpu::TileConfig config = amx_config(xq.block);
   const std::vector<float> scales = block_scales(xq, m);
-  at::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
+  fastcpu::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
     const fastcpu::TileScope tiles(config);
     alignas(64) int32_t sums[2 * 16 * 16];
     for (int64_t i = i0; i < i1; ++i) {

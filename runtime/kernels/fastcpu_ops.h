@@ -28,6 +28,10 @@ void check_decode_slots(const torch::Tensor& kv_index, const c10::optional<torch
                         const torch::Tensor& lengths, int64_t total_slots);
 
 // fastcpu_int8.cpp
+namespace fastcpu {
+// linear_int8 splits its work by whole panels up to this many rows, past it by (panel, rows) items.
+constexpr int64_t kInt8ChunkRows = 48;
+}  // namespace fastcpu
 bool int8_vnni();
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);

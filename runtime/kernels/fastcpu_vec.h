@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fastcpu_team.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -183,7 +185,7 @@ inline void bf16_pairs32(const float* x, uint32_t* out) {
 // Which thread runs an item does not change its arithmetic.
 template <typename Cost, typename Fn>
 inline void parallel_by_cost(int64_t n, const Cost& cost, const Fn& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(fastcpu::num_threads(), n));
   std::vector<double> before(n + 1, 0.0);
   for (int64_t i = 0; i < n; ++i) before[i + 1] = before[i] + static_cast<double>(cost(i));
   const double total = before[n];
@@ -193,7 +195,7 @@ inline void parallel_by_cost(int64_t n, const Cost& cost, const Fn& fn) {
     const double mid = total > 0 ? (before[i] + before[i + 1]) / 2 / total * threads : double(i) * threads / n;
     while (t < threads && mid >= t) start[t++] = i;
   }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  fastcpu::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       if (start[t] < start[t + 1]) fn(start[t], start[t + 1]);
   });
@@ -219,7 +221,7 @@ inline torch::Tensor float_rows(const torch::Tensor& x) {
   torch::Tensor xf = torch::empty({m, k}, x.options().dtype(torch::kFloat32));
   const at::BFloat16* src = x.data_ptr<at::BFloat16>();
   float* dst = xf.data_ptr<float>();
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+  fastcpu::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t i = 0;
       for (; i + 16 <= k; i += 16) store(dst + r * k + i, load(src + r * ldx + i));
@@ -333,7 +335,7 @@ class LinearOutput {
     at::BFloat16* r = result_.data_ptr<at::BFloat16>();
     const bool add = add_into_;
     const int64_t n = n_;
-    at::parallel_for(0, m_, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
+    fastcpu::parallel_for(0, m_, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t r0, int64_t r1) {
       for (int64_t row = r0; row < r1; ++row)
         for (int64_t i = 0; i < n; i += 16)
           store_bf16_products(r + row * ldr + i, load16(a + row * n + i, std::min<int64_t>(16, n - i)), add,

@@ -1,0 +1,279 @@
+// Team: the threads of one OpenMP parallel region kept for a whole decode stack, instead of one region per kernel,
+// and fastcpu::parallel_for, which every fastcpu kernel splits its work with.
+//
+// Why: a decode step runs ~180 short parallel regions (the linears, attention, the small ops at a few rows), and
+// between them the calling thread does the serial work (quantising a few activation rows, allocating outputs,
+// views) while the other threads spin in libgomp. In those gaps the memory sits idle, and the next linear then
+// streams its weights from scratch: at batch 1 a step took about its weights' read time plus its in-cache time,
+// the two added rather than overlapped. Inside a Team the other threads spend the gaps asking the memory for
+// their own share of the linears that come next (prefetcht2 into their own core's L2; another core's fetches do
+// not become hits for this one, measured), and a job is handed over through one atomic counter.
+//
+// Work is split exactly as at::parallel_for splits it (the same number of threads for the same range and grain,
+// the same contiguous chunk per thread id, at::get_thread_num() set to it), so a kernel's FetchCursor and the
+// linears' panel shares mean the same inside and outside a team. A split decides which thread computes an
+// element, never how: the results are the same bits either way.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/ParallelGuard.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <utility>
+#include <vector>
+
+namespace fastcpu {
+
+// A weight the team's threads will read, packed as the linear kernels read it: `panels` rows of `panel_bytes`,
+// each thread multiplying a contiguous run of ceil(panels / threads) of them.
+struct PanelWeight {
+  const char* data;
+  int64_t panels, panel_bytes;
+
+  // The bytes thread `thread` of `threads` multiplies: [first, second).
+  std::pair<const char*, const char*> share(int64_t thread, int64_t threads) const {
+    const int64_t chunk = (panels + threads - 1) / threads;
+    const int64_t p0 = std::min(panels, thread * chunk), p1 = std::min(panels, p0 + chunk);
+    return {data + p0 * panel_bytes, data + p1 * panel_bytes};
+  }
+};
+
+// One thread's share of a list of weights, walked a cache line at a time, at most `limit` bytes past the start
+// of the share of weight `from` (which the leader moves on as the work reaches it).
+class AheadCursor {
+ public:
+  AheadCursor(const std::vector<PanelWeight>* weights, int64_t thread, int64_t threads) : weights_(weights) {
+    if (weights_ == nullptr) return;
+    begin_.reserve(weights_->size());
+    end_.reserve(weights_->size());
+    before_.assign(weights_->size() + 1, 0);
+    for (size_t i = 0; i < weights_->size(); ++i) {
+      const auto [begin, end] = (*weights_)[i].share(thread, threads);
+      begin_.push_back(begin);
+      end_.push_back(end);
+      before_[i + 1] = before_[i] + (end - begin);
+    }
+  }
+
+  // Asks for up to `lines` more lines; false when there is nothing left within the limit.
+  bool fetch(int64_t from, int64_t limit, int lines) {
+    const int64_t n = static_cast<int64_t>(begin_.size());
+    if (from >= n) return false;
+    if (at_weight_ < from) {
+      at_weight_ = from;
+      at_ = begin_[from];
+    }
+    for (int i = 0; i < lines; ++i) {
+      while (at_weight_ < n && at_ >= end_[at_weight_]) {
+        if (++at_weight_ < n) at_ = begin_[at_weight_];
+      }
+      if (at_weight_ >= n) return false;
+      if (before_[at_weight_] + (at_ - begin_[at_weight_]) - before_[from] >= limit) return false;
+      _mm_prefetch(at_, _MM_HINT_T2);
+      at_ += 64;
+    }
+    return true;
+  }
+
+ private:
+  const std::vector<PanelWeight>* weights_;
+  std::vector<const char*> begin_, end_;
+  std::vector<int64_t> before_;  // bytes of the shares before weight i
+  int64_t at_weight_ = -1;
+  const char* at_ = nullptr;
+};
+
+class Team {
+ public:
+  // How far ahead of the work an idle thread fetches its share, and how many lines between two looks for a job.
+  // A core's L2 holds 1-2 MB. In one process against the same build with 512 KB (bench_kernel_ab.py, the decode
+  // stacks at batch 1 and 8, 16 rounds): 0.97-1.01x; 8 lines against 2 per look: 0.98-1.01x.
+  static constexpr int64_t kAheadBytes = 1024 * 1024;
+  static constexpr int kAheadLines = 4;
+
+  // lead(team) on the calling thread while the region's other threads serve its parallel_for calls; returns
+  // when lead does (an exception from lead or from a job is rethrown here, after the region).
+  template <typename Lead>
+  static void run(const Lead& lead) {
+    Team team;
+    std::exception_ptr failure;
+#pragma omp parallel
+    {
+      const int tid = omp_get_thread_num();
+      if (tid == 0) {
+        team.size_ = omp_get_num_threads();
+        Member member(&team, 0);
+        team.started_.store(true, std::memory_order_release);
+        try {
+          lead(team);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+        team.post(nullptr, nullptr, 0, 0, 0);  // the stop job
+      } else {
+        while (!team.started_.load(std::memory_order_acquire)) _mm_pause();
+        Member member(&team, tid);
+        team.serve(tid);
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+  }
+
+  // The team the calling thread belongs to (null outside one) and its place in it.
+  static Team* current() { return slot().team; }
+  static int thread() { return slot().tid; }
+
+  int size() const { return size_; }
+
+  // fn(begin, end) over [begin, end) on the team's threads, split as at::parallel_for splits it. Only the leader
+  // hands out work; from inside a job it runs on the calling thread (as at::parallel_for does inside a region).
+  template <typename F>
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+    if (begin >= end) return;
+    const int64_t numiter = end - begin;
+    if (thread() != 0 || in_job_ || size_ == 1 || numiter <= grain || numiter == 1) {
+      at::internal::ThreadIdGuard tid_guard(0);  // as at::parallel_for runs it inline
+      c10::ParallelGuard guard(true);
+      f(begin, end);
+      return;
+    }
+    int64_t used = size_;
+    if (grain > 0) used = std::min<int64_t>(used, (numiter + grain - 1) / grain);
+    const int64_t chunk = (numiter + used - 1) / used;
+    post(&call<F>, &f, begin, end, chunk);
+    std::exception_ptr own;
+    in_job_ = true;
+    try {
+      run_chunk(&call<F>, &f, begin, end, chunk, 0);
+    } catch (...) {
+      own = std::current_exception();
+    }
+    in_job_ = false;
+    // the leader's own share of what comes next, while the others finish theirs
+    while (pending_.load(std::memory_order_acquire) != 0)
+      if (!ahead_.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) _mm_pause();
+    if (!own) std::swap(own, job_failure_);
+    job_failure_ = nullptr;
+    failed_.clear();
+    if (own) std::rethrow_exception(own);
+  }
+
+  // The weights the leader's work will read next, in order (null: none); then, as it goes, the first of them
+  // not yet started (the idle threads fetch from there).
+  void fetch_ahead(const std::vector<PanelWeight>* weights) {
+    plan_.store(weights, std::memory_order_relaxed);
+    from_.store(0, std::memory_order_relaxed);
+    ahead_ = AheadCursor(weights, 0, size_);
+  }
+  void ahead_from(int64_t index) { from_.store(index, std::memory_order_relaxed); }
+
+ private:
+  using Fn = void (*)(const void*, int64_t, int64_t);
+
+  struct Slot {
+    Team* team = nullptr;
+    int tid = 0;
+  };
+  static Slot& slot() {
+    static thread_local Slot s;
+    return s;
+  }
+  struct Member {  // the calling thread's place in a team, for the region's lifetime
+    Member(Team* team, int tid) { slot() = {team, tid}; }
+    ~Member() { slot() = {}; }
+  };
+
+  template <typename F>
+  static void call(const void* f, int64_t b, int64_t e) {
+    (*static_cast<const F*>(f))(b, e);
+  }
+
+  static void run_chunk(Fn fn, const void* ctx, int64_t begin, int64_t end, int64_t chunk, int tid) {
+    const int64_t b = begin + tid * chunk;
+    if (b >= end) return;
+    at::internal::ThreadIdGuard tid_guard(tid);
+    c10::ParallelGuard guard(true);
+    fn(ctx, b, std::min(end, b + chunk));
+  }
+
+  // Publishes a job (fn null: stop) to the other threads; the leader has waited for the last one's end.
+  void post(Fn fn, const void* ctx, int64_t begin, int64_t end, int64_t chunk) {
+    if (size_ == 1) return;
+    job_ = {fn, ctx, begin, end, chunk};
+    pending_.store(size_ - 1, std::memory_order_relaxed);
+    seq_.fetch_add(1, std::memory_order_release);
+  }
+
+  void serve(int tid) {
+    AheadCursor ahead(nullptr, tid, size_);
+    const std::vector<PanelWeight>* plan = nullptr;
+    uint64_t seen = 0;
+    for (;;) {
+      const uint64_t s = seq_.load(std::memory_order_acquire);
+      if (s == seen) {
+        const std::vector<PanelWeight>* p = plan_.load(std::memory_order_relaxed);
+        if (p != plan) {
+          plan = p;
+          ahead = AheadCursor(p, tid, size_);
+        }
+        if (!ahead.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) _mm_pause();
+        continue;
+      }
+      seen = s;
+      const Job job = job_;
+      if (job.fn == nullptr) {
+        pending_.fetch_sub(1, std::memory_order_release);
+        return;
+      }
+      try {
+        run_chunk(job.fn, job.ctx, job.begin, job.end, job.chunk, tid);
+      } catch (...) {
+        if (!failed_.test_and_set()) job_failure_ = std::current_exception();  // the first one is reported
+      }
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  struct Job {
+    Fn fn;
+    const void* ctx;
+    int64_t begin, end, chunk;
+  };
+
+  int size_ = 1;
+  Job job_{};
+  std::exception_ptr job_failure_;
+  std::atomic_flag failed_ = ATOMIC_FLAG_INIT;
+  bool in_job_ = false;  // the leader runs its chunk of a job (a nested parallel_for stays on it)
+  // read by the idle threads while the leader changes them (a prefetch plan: a stale read costs nothing)
+  std::atomic<const std::vector<PanelWeight>*> plan_{nullptr};
+  AheadCursor ahead_{nullptr, 0, 1};
+  alignas(64) std::atomic<bool> started_{false};
+  alignas(64) std::atomic<uint64_t> seq_{0};
+  alignas(64) std::atomic<int> pending_{0};
+  alignas(64) std::atomic<int64_t> from_{0};
+};
+
+// fn(begin, end) over [begin, end): on the calling thread's team when it leads one, else at::parallel_for.
+template <typename F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (Team* team = Team::current()) {
+    team->parallel_for(begin, end, grain, f);
+  } else {
+    at::parallel_for(begin, end, grain, f);
+  }
+}
+
+// The threads fastcpu::parallel_for splits over.
+inline int64_t num_threads() {
+  const Team* team = Team::current();
+  return team != nullptr ? team->size() : at::get_num_threads();
+}
+
+}  // namespace fastcpu
