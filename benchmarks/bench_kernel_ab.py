@@ -22,7 +22,8 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
   169, a few-shot prefill's rows), where the host has the instructions, and fp32 (the portable kernel) at 1 and 8;
 - the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
   batch 8 under a kept 1,050-key shared block with ~40 own positions per row (a few-shot batch), bf16 and int8
-  weights over a bf16 pool, and int8 weights over an int8 pool;
+  weights over a bf16 pool, and int8 weights over an int8 pool; at batch 1, bf16 weights, and int8 weights over
+  an int8 pool;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``).
 
@@ -231,11 +232,14 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
     if k_this.bf16_dot():
+        out["decode stack, batch 1 under a 1,050-key shared block, bf16 weights"] = stack_case("bfloat16", g, 1)
         out["decode stack, batch 8 under a 1,050-key shared block, bf16 weights"] = stack_case("bfloat16", g)
         if k_this.int8_vnni():
             out["decode stack, batch 8 under a 1,050-key shared block, int8 weights"] = stack_case("int8", g)
             out["decode stack, batch 8 under a 1,050-key shared block, int8 weights, int8 pool"] = stack_case(
                 "int8", g, kv="int8")
+            out["decode stack, batch 1 under a 1,050-key shared block, int8 weights, int8 pool"] = stack_case(
+                "int8", g, 1, kv="int8")
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     return out
 
