@@ -88,11 +88,7 @@ class DecodeStack {
     TORCH_CHECK(linears.size() == 4 && biases.size() == 4, "a layer has four linears (qkv, o, gate_up, down)");
     layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), {linears[0], biases[0]},
                             {linears[1], biases[1]}, {linears[2], biases[2]}, {linears[3], biases[3]}});
-    for (const PackedLinear& lin : linears) {
-      const int64_t panels = lin.data.size(0);
-      weights_.push_back({static_cast<const char*>(lin.data.data_ptr()), panels,
-                          static_cast<int64_t>(lin.data.nbytes()) / panels});
-    }
+    for (const PackedLinear& lin : linears) weights_.push_back(fastcpu::panel_weight(lin.data));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

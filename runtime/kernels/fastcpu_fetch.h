@@ -10,8 +10,8 @@
 // only moves data closer.
 //
 // FetchPlan lists the weights (packed linear layers: [panels, ...] rows of equal bytes); FetchCursor is one
-// thread's share of it, split the way the linear kernels split panels between threads (at::parallel_for over
-// panels: contiguous chunks of ceil(panels / threads)), and hands out one line per tick().
+// thread's share of it, split the way the linear kernels split panels between threads (fastcpu::parallel_for
+// over panels: contiguous chunks of ceil(panels / threads), PanelWeight::share), and hands out one line per tick().
 //
 // The same idea inside a linear kernel: PanelFetch (below) has the passes over one panel that compute from cache
 // ask for the thread's next panel.
@@ -28,18 +28,21 @@
 
 namespace fastcpu {
 
+// A packed linear layer's weight as the fetches see it: [panels, ...] contiguous (PackedLinear's data).
+inline PanelWeight panel_weight(const torch::Tensor& packed) {
+  const int64_t panels = packed.size(0);
+  return {static_cast<const char*>(packed.data_ptr()), panels, static_cast<int64_t>(packed.nbytes()) / panels};
+}
+
 struct FetchPlan {
   static constexpr int kMaxWeights = 4;
   using Weight = PanelWeight;
   Weight weights[kMaxWeights];
   int count = 0;
 
-  // A packed linear layer's weight: [panels, ...] contiguous (PackedLinear's data).
   void add(const torch::Tensor& packed) {
     if (count == kMaxWeights || packed.numel() == 0) return;
-    const int64_t panels = packed.size(0);
-    weights[count++] = {static_cast<const char*>(packed.data_ptr()), panels,
-                        static_cast<int64_t>(packed.nbytes()) / panels};
+    weights[count++] = panel_weight(packed);
   }
 };
 
