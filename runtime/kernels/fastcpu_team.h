@@ -19,10 +19,15 @@
 #include <c10/util/ParallelGuard.h>
 
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <omp.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <utility>
@@ -96,6 +101,13 @@ class Team {
   // stacks at batch 1 and 8, 16 rounds): 0.97-1.01x; 8 lines against 2 per look: 0.98-1.01x.
   static constexpr int64_t kAheadBytes = 1024 * 1024;
   static constexpr int kAheadLines = 4;
+  // How long a thread with nothing to fetch waits, in time-stamp counter ticks (~50-100 us at the 2-4 GHz such
+  // counters run at), before it gives its core away: an idle thread then sleeps until the next job, a waiting
+  // leader yields. On a host with more runnable threads than cores (several servers, or test processes side by
+  // side) a team that only spun kept the cores from the threads it waited for: two test files with servers took
+  // 2.5x their time. Within a step the waits between jobs are far shorter. A count of pauses would not do: a
+  // pause takes a few cycles on some CPUs and ~140 on others.
+  static constexpr uint64_t kIdleTicks = 200000;
 
   // lead(team) on the calling thread while the region's other threads serve its parallel_for calls; returns
   // when lead does (an exception from lead or from a job is rethrown here, after the region).
@@ -117,7 +129,7 @@ class Team {
         }
         team.post(nullptr, nullptr, 0, 0, 0);  // the stop job
       } else {
-        while (!team.started_.load(std::memory_order_acquire)) _mm_pause();
+        for (const uint64_t since = __rdtsc(); !team.started_.load(std::memory_order_acquire);) relax(since);
         Member member(&team, tid);
         team.serve(tid);
       }
@@ -156,8 +168,8 @@ class Team {
     }
     in_job_ = false;
     // the leader's own share of what comes next, while the others finish theirs
-    while (pending_.load(std::memory_order_acquire) != 0)
-      if (!ahead_.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) _mm_pause();
+    for (const uint64_t since = __rdtsc(); pending_.load(std::memory_order_acquire) != 0;)
+      if (!ahead_.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) relax(since);
     if (!own) std::swap(own, job_failure_);
     job_failure_ = nullptr;
     failed_.clear();
@@ -194,6 +206,16 @@ class Team {
     (*static_cast<const F*>(f))(b, e);
   }
 
+  // One wait with nothing to do, waiting since `since`: a pause, or past kIdleTicks the rest of this time slice to
+  // whoever wants it.
+  static void relax(uint64_t since) {
+    if (__rdtsc() - since < kIdleTicks) {
+      _mm_pause();
+    } else {
+      sched_yield();
+    }
+  }
+
   static void run_chunk(Fn fn, const void* ctx, int64_t begin, int64_t end, int64_t chunk, int tid) {
     const int64_t b = begin + tid * chunk;
     if (b >= end) return;
@@ -207,25 +229,49 @@ class Team {
     if (size_ == 1) return;
     job_ = {fn, ctx, begin, end, chunk};
     pending_.store(size_ - 1, std::memory_order_relaxed);
-    seq_.fetch_add(1, std::memory_order_release);
+    seq_.fetch_add(1, std::memory_order_seq_cst);
+    // a thread that counted itself asleep before this job was posted is woken; one counting itself after sees it
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
+  }
+
+  long futex(int op, uint32_t value) {
+    return syscall(SYS_futex, reinterpret_cast<uint32_t*>(&seq_), op, value, nullptr, nullptr, 0);
+  }
+
+  // Sleeps until a job after `seen` is posted (at once if one is).
+  void sleep_past(uint32_t seen) {
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    if (seq_.load(std::memory_order_seq_cst) == seen) futex(FUTEX_WAIT_PRIVATE, seen);
+    sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
 
   void serve(int tid) {
     AheadCursor ahead(nullptr, tid, size_);
     const std::vector<PanelWeight>* plan = nullptr;
-    uint64_t seen = 0;
+    uint32_t seen = 0;
+    uint64_t idle_since = 0;  // 0: busy (a job or fetching ahead)
     for (;;) {
-      const uint64_t s = seq_.load(std::memory_order_acquire);
+      const uint32_t s = seq_.load(std::memory_order_acquire);
       if (s == seen) {
         const std::vector<PanelWeight>* p = plan_.load(std::memory_order_relaxed);
         if (p != plan) {
           plan = p;
           ahead = AheadCursor(p, tid, size_);
         }
-        if (!ahead.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) _mm_pause();
+        if (ahead.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) {
+          idle_since = 0;
+        } else if (idle_since == 0) {
+          idle_since = __rdtsc();
+        } else if (__rdtsc() - idle_since < kIdleTicks) {
+          _mm_pause();
+        } else {
+          sleep_past(seen);
+          idle_since = 0;
+        }
         continue;
       }
       seen = s;
+      idle_since = 0;
       const Job job = job_;
       if (job.fn == nullptr) {
         pending_.fetch_sub(1, std::memory_order_release);
@@ -255,7 +301,9 @@ class Team {
   std::atomic<const std::vector<PanelWeight>*> plan_{nullptr};
   AheadCursor ahead_{nullptr, 0, 1};
   alignas(64) std::atomic<bool> started_{false};
-  alignas(64) std::atomic<uint64_t> seq_{0};
+  alignas(64) std::atomic<uint32_t> seq_{0};  // jobs posted (a futex word: 32 bits; equality is all it is read for)
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the futex word is the atomic itself");
+  alignas(64) std::atomic<int> sleepers_{0};
   alignas(64) std::atomic<int> pending_{0};
   alignas(64) std::atomic<int64_t> from_{0};
 };
