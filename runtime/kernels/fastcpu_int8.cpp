@@ -67,7 +67,8 @@ QuantRows quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t b
   out.q.assign(m * out.ld, 0);
   out.scale.assign(m * out.nb, 0.f);
   out.corr.assign(m, 0.f);
-  fastcpu::parallel_for(0, m, std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1)), [&](int64_t r_begin, int64_t r_end) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(k, 1));
+  fastcpu::parallel_for(0, m, grain, [&](int64_t r_begin, int64_t r_end) {
     for (int64_t r = r_begin; r < r_end; ++r) {
       for (int64_t b = 0; b < out.nb; ++b) {
         const int64_t k0 = b * block, k1 = std::min(k, k0 + block);
