@@ -36,8 +36,7 @@ inline PanelWeight panel_weight(const torch::Tensor& packed) {
 
 struct FetchPlan {
   static constexpr int kMaxWeights = 4;
-  using Weight = PanelWeight;
-  Weight weights[kMaxWeights];
+  PanelWeight weights[kMaxWeights];
   int count = 0;
 
   void add(const torch::Tensor& packed) {

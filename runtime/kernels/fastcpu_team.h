@@ -53,13 +53,13 @@ struct PanelWeight {
 // of the share of weight `from` (which the leader moves on as the work reaches it).
 class AheadCursor {
  public:
-  AheadCursor(const std::vector<PanelWeight>* weights, int64_t thread, int64_t threads) : weights_(weights) {
-    if (weights_ == nullptr) return;
-    begin_.reserve(weights_->size());
-    end_.reserve(weights_->size());
-    before_.assign(weights_->size() + 1, 0);
-    for (size_t i = 0; i < weights_->size(); ++i) {
-      const auto [begin, end] = (*weights_)[i].share(thread, threads);
+  AheadCursor(const std::vector<PanelWeight>* weights, int64_t thread, int64_t threads) {
+    if (weights == nullptr) return;
+    begin_.reserve(weights->size());
+    end_.reserve(weights->size());
+    before_.assign(weights->size() + 1, 0);
+    for (size_t i = 0; i < weights->size(); ++i) {
+      const auto [begin, end] = (*weights)[i].share(thread, threads);
       begin_.push_back(begin);
       end_.push_back(end);
       before_[i + 1] = before_[i] + (end - begin);
@@ -87,7 +87,6 @@ class AheadCursor {
   }
 
  private:
-  const std::vector<PanelWeight>* weights_;
   std::vector<const char*> begin_, end_;
   std::vector<int64_t> before_;  // bytes of the shares before weight i
   int64_t at_weight_ = -1;
