@@ -1,8 +1,9 @@
 """Compile and load a C++ kernel module shipped with the package, once per machine.
 
-The build goes to ``<cache root>/kernels/<name>-<hash of source, torch version and CPU flags>`` (the cache root
-of ``runtime.build_cache``: ``~/.cache/radixserve`` by default), so a changed source, another torch or another
-host CPU gets its own build, and a second process finds the finished one.
+The build goes to ``<cache root>/kernels/<name>-<hash of source, torch version, CPU flags and the compile
+command>`` (the cache root of ``runtime.build_cache``: ``~/.cache/radixserve`` by default), so a changed source,
+another torch, another host CPU or another virtual environment gets its own build, and a second process finds the
+finished one.
 
 Concurrent builds of one directory: ``cpp_extension`` serialises them with a lock *file* that it deletes when
 it is done, so a process killed mid-compile (Ctrl-C during the first start, a test's timeout) leaves the file
@@ -21,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
@@ -85,14 +87,24 @@ def load_kernels(name: str) -> ModuleType:
     return build_kernels(name, HERE)
 
 
+def include_dirs() -> list[str]:
+    """The header folders the compile command names: torch's and Python's. They are absolute paths into one
+    environment, so two virtual environments with the same torch write different commands into a shared build
+    directory, and ninja, seeing the command change, recompiles everything (~80 s) on each switch."""
+    from torch.utils import cpp_extension
+
+    return [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+
+
 def build_key(name: str, source_dir: Path) -> str:
-    """The build key of kernel set ``name`` from the sources in ``source_dir`` on this host and torch."""
+    """The build key of kernel set ``name`` from the sources in ``source_dir`` on this host, torch and
+    environment (its include folders: each environment keeps its own build)."""
     sources = [source_dir / f for f in SOURCES[name]]
     headers = sorted(source_dir.glob("*.h"))
     text = b"".join(p.read_bytes() for p in [*sources, *headers])
     host = " ".join(sorted(cpu_flags())) or platform.processor()
-    return hashlib.sha256(text + torch.__version__.encode() + host.encode()
-                          + " ".join(CFLAGS[name] + LDFLAGS).encode()).hexdigest()[:16]
+    command = " ".join(CFLAGS[name] + LDFLAGS + include_dirs())
+    return hashlib.sha256(text + torch.__version__.encode() + host.encode() + command.encode()).hexdigest()[:16]
 
 
 def build_dir(name: str, key: str) -> Path:

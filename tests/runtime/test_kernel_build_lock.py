@@ -86,3 +86,15 @@ def test_a_load_waits_for_a_live_build(folder: Path, tmp_path: Path) -> None:
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+def test_each_environment_keeps_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile command names the environment's torch and Python headers by absolute path: two environments
+    sharing one build directory would each find the other's command there and recompile on every switch."""
+    from runtime.kernels import build
+
+    here = build_key("fastcpu", HERE)
+    assert build_key("fastcpu", HERE) == here  # stable in one environment: a second process finds the build
+    other = [d.replace("site-packages", "other-env/site-packages") for d in build.include_dirs()]
+    monkeypatch.setattr(build, "include_dirs", lambda: other)
+    assert build_key("fastcpu", HERE) != here
