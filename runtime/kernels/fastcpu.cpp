@@ -93,7 +93,7 @@ template <typename W>
 void linear_packed_impl(const float* x, int64_t ldx, int64_t m, int64_t k, const W* packed, const float* scale,
                         const float* bias, float* y, int64_t ldy, int64_t n, bool accumulate) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  fastcpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  fastcpu::parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = packed + p * k * kPanel;
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);

@@ -98,7 +98,7 @@ void linear_bf16_impl(const uint32_t* xp, int64_t m, int64_t pairs, const uint16
                       const fastcpu::ProductDest& dest, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const bool to_l2 = m <= 2;
-  fastcpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  fastcpu::parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = packed + p * pairs * kPairElems;
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
@@ -142,7 +142,7 @@ void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_
   const int64_t blocks = (m + rows - 1) / rows;
   const fastcpu::TileConfig config = amx_config(rows);
   const int64_t panels = (n + kPanel - 1) / kPanel, lda = pairs * 4, ldb = kPairElems * 2;
-  fastcpu::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  fastcpu::parallel_panels(panels, [&](int64_t p0, int64_t p1) {
     const fastcpu::TileScope tiles(config);
     alignas(64) float c[16 * kPanel];
     for (int64_t p = p0; p < p1; ++p) {

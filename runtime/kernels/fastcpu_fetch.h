@@ -10,8 +10,8 @@
 // only moves data closer.
 //
 // FetchPlan lists the weights (packed linear layers: [panels, ...] rows of equal bytes); FetchCursor is one
-// thread's share of it, split the way the linear kernels split panels between threads (fastcpu::parallel_for
-// over panels: contiguous chunks of ceil(panels / threads), PanelWeight::share), and hands out one line per tick().
+// thread's share of it, split the way the linear kernels split panels between threads (fastcpu::parallel_panels:
+// PanelSplit, PanelWeight::share), and hands out one line per tick().
 //
 // The same idea inside a linear kernel: PanelFetch (below) has the passes over one panel that compute from cache
 // ask for the thread's next panel.
@@ -52,8 +52,9 @@ class FetchCursor {
   // Thread `thread` of `threads`: for each weight in turn, the panels that thread multiplies.
   FetchCursor(const FetchPlan* plan, int64_t thread, int64_t threads) {
     if (plan == nullptr || threads <= 0) return;
+    const PanelSplit split = panel_split();
     for (int i = 0; i < plan->count; ++i) {
-      const auto [begin, end] = plan->weights[i].share(thread, threads);
+      const auto [begin, end] = plan->weights[i].share(thread, threads, split);
       if (begin < end) spans_[spans_count_++] = {begin, end};
     }
   }

@@ -168,7 +168,7 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
   constexpr int64_t kChunkRows = fastcpu::kInt8ChunkRows;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   const int64_t panel_bytes = groups * kGroupBytes;
-  fastcpu::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
+  const auto items = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / chunks, r_begin = (i % chunks) * kChunkRows, r_end = std::min(m, r_begin + kChunkRows);
       const uint8_t* panel = packed + p * panel_bytes;
@@ -191,7 +191,13 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
         }
       }
     }
-  });
+  };
+  // one chunk per panel (up to kChunkRows rows): the panels' split; else chunks of a panel stay together
+  if (chunks == 1) {
+    fastcpu::parallel_panels(panels, items);
+  } else {
+    fastcpu::parallel_for(0, panels * chunks, 1, items);
+  }
 }
 
 #ifdef FASTCPU_AMX
@@ -304,7 +310,7 @@ void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8
   const int64_t block_bytes = xq.block / 4 * kGroupBytes;
   const fastcpu::TileConfig config = amx_config(xq.block);
   const std::vector<float> scales = block_scales(xq, m);
-  fastcpu::parallel_for(0, panels * chunks, 1, [&](int64_t i0, int64_t i1) {
+  const auto items = [&](int64_t i0, int64_t i1) {
     const fastcpu::TileScope tiles(config);
     alignas(64) int32_t sums[2 * 16 * 16];
     for (int64_t i = i0; i < i1; ++i) {
@@ -321,7 +327,12 @@ void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8
                     sums, out, valid, c0 + 16 * sl, std::min<int64_t>(16, cn - 16 * sl), scale, bias);
       }
     }
-  });
+  };
+  if (chunks == 1) {
+    fastcpu::parallel_panels(panels, items);
+  } else {
+    fastcpu::parallel_for(0, panels * chunks, 1, items);
+  }
 }
 
 #endif  // FASTCPU_AMX

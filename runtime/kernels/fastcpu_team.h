@@ -9,10 +9,10 @@
 // their own share of the linears that come next (prefetcht2 into their own core's L2; another core's fetches do
 // not become hits for this one, measured), and a job is handed over through one atomic counter.
 //
-// Work is split exactly as at::parallel_for splits it (the same number of threads for the same range and grain,
-// the same contiguous chunk per thread id, at::get_thread_num() set to it), so a kernel's FetchCursor and the
-// linears' panel shares mean the same inside and outside a team. A split decides which thread computes an
-// element, never how: the results are the same bits either way.
+// Work is split as at::parallel_for splits it (the same number of threads for the same range and grain, the same
+// contiguous chunk per thread id, at::get_thread_num() set to it), except a linear layer's panels in a team that
+// fetches ahead (PanelSplit): the leader takes fewer of them. A split decides which thread computes an element,
+// never how: the results are the same bits either way.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,21 +30,49 @@
 #include <climits>
 #include <cstdint>
 #include <exception>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 namespace fastcpu {
 
-// A weight the team's threads will read, packed as the linear kernels read it: `panels` rows of `panel_bytes`,
-// each thread multiplying a contiguous run of ceil(panels / threads) of them.
+// Which of a linear layer's panels each thread multiplies: a contiguous run each.
+//
+// Even (everywhere outside a team, and in a team that does not fetch ahead): at::parallel_for's split, runs of
+// ceil(panels / threads), thread 0 first. Light leader (a team that fetches ahead): the other threads spend the
+// gaps between jobs fetching their next shares into their own L2 (Team::serve), while the leader spends them on
+// the serial work between kernels, so the leader's panels come from memory and took it ~1.4x as long per panel
+// at batch 8 (perf samples). It therefore takes the last ~0.9/(0.9 + others) of the panels and finishes with
+// them: 4 of a 576-column layer's 9 panels and 22 of gate/up's 48 with two threads. Weights of 0.65, 0.8, 0.9 and
+// 1.0 (the leader taking the last run) against the even split in one process (bench_kernel_ab.py, decode stacks
+// at batch 8, int8): 1.00, 0.96, 0.95-0.96 and 0.98 of the time.
+struct PanelSplit {
+  static constexpr int64_t kLeaderPercent = 90;  // the leader's share against each other thread's
+  bool light_leader = false;
+
+  // Thread `thread` of `threads`' panels: [first, second).
+  std::pair<int64_t, int64_t> range(int64_t panels, int64_t threads, int64_t thread) const {
+    if (!light_leader || threads <= 1) {
+      const int64_t chunk = (panels + threads - 1) / threads;
+      const int64_t p0 = std::min(panels, thread * chunk);
+      return {p0, std::min(panels, p0 + chunk)};
+    }
+    const int64_t lead = panels * kLeaderPercent / (kLeaderPercent + 100 * (threads - 1));
+    const int64_t rest = panels - lead, chunk = (rest + threads - 2) / (threads - 1);
+    if (thread == 0) return {rest, panels};
+    const int64_t p0 = std::min(rest, (thread - 1) * chunk);
+    return {p0, std::min(rest, p0 + chunk)};
+  }
+};
+
+// A weight the team's threads will read, packed as the linear kernels read it: `panels` rows of `panel_bytes`.
 struct PanelWeight {
   const char* data;
   int64_t panels, panel_bytes;
 
-  // The bytes thread `thread` of `threads` multiplies: [first, second).
-  std::pair<const char*, const char*> share(int64_t thread, int64_t threads) const {
-    const int64_t chunk = (panels + threads - 1) / threads;
-    const int64_t p0 = std::min(panels, thread * chunk), p1 = std::min(panels, p0 + chunk);
+  // The bytes thread `thread` of `threads` multiplies under `split`: [first, second).
+  std::pair<const char*, const char*> share(int64_t thread, int64_t threads, PanelSplit split) const {
+    const auto [p0, p1] = split.range(panels, threads, thread);
     return {data + p0 * panel_bytes, data + p1 * panel_bytes};
   }
 };
@@ -59,7 +87,7 @@ class AheadCursor {
     end_.reserve(weights->size());
     before_.assign(weights->size() + 1, 0);
     for (size_t i = 0; i < weights->size(); ++i) {
-      const auto [begin, end] = (*weights)[i].share(thread, threads);
+      const auto [begin, end] = (*weights)[i].share(thread, threads, PanelSplit{true});
       begin_.push_back(begin);
       end_.push_back(end);
       before_[i + 1] = before_[i] + (end - begin);
@@ -126,7 +154,7 @@ class Team {
         } catch (...) {
           failure = std::current_exception();
         }
-        team.post(nullptr, nullptr, 0, 0, 0);  // the stop job
+        team.post({nullptr, nullptr, 0, 0, 0, false});  // the stop job
       } else {
         for (const uint64_t since = __rdtsc(); !team.started_.load(std::memory_order_acquire);) relax(since);
         Member member(&team, tid);
@@ -156,24 +184,26 @@ class Team {
     }
     int64_t used = size_;
     if (grain > 0) used = std::min<int64_t>(used, (numiter + grain - 1) / grain);
-    const int64_t chunk = (numiter + used - 1) / used;
-    post(&call<F>, &f, begin, end, chunk);
-    std::exception_ptr own;
-    in_job_ = true;
-    try {
-      run_chunk(&call<F>, &f, begin, end, chunk, 0);
-    } catch (...) {
-      own = std::current_exception();
-    }
-    in_job_ = false;
-    // the leader's own share of what comes next, while the others finish theirs
-    for (const uint64_t since = __rdtsc(); pending_.load(std::memory_order_acquire) != 0;)
-      if (!ahead_.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) relax(since);
-    if (!own) std::swap(own, job_failure_);
-    job_failure_ = nullptr;
-    failed_.clear();
-    if (own) std::rethrow_exception(own);
+    lead({&call<F>, &f, begin, end, (numiter + used - 1) / used, false});
   }
+
+  // fn(p0, p1) over the panels [0, panels) of a linear layer, split by panel_split(). Only the leader hands out
+  // work; elsewhere the calling thread runs them all.
+  template <typename F>
+  void parallel_panels(int64_t panels, const F& f) {
+    if (!panel_split().light_leader) {
+      parallel_for(0, panels, 1, f);
+    } else if (thread() != 0 || in_job_ || size_ == 1 || panels <= 1) {
+      at::internal::ThreadIdGuard tid_guard(0);
+      c10::ParallelGuard guard(true);
+      f(0, panels);
+    } else {
+      lead({&call<F>, &f, 0, panels, 0, true});
+    }
+  }
+
+  // How this team splits a linear layer's panels: a light leader while it fetches ahead.
+  PanelSplit panel_split() const { return {plan_.load(std::memory_order_relaxed) != nullptr}; }
 
   // The weights the leader's work will read next, in order (null: none); then, as it goes, the first of them
   // not yet started (the idle threads fetch from there).
@@ -186,6 +216,34 @@ class Team {
 
  private:
   using Fn = void (*)(const void*, int64_t, int64_t);
+
+  // A job: fn(ctx, b, e) over [begin, end), thread t's part at::parallel_for's (chunk) or a panel split.
+  struct Job {
+    Fn fn;
+    const void* ctx;
+    int64_t begin, end, chunk;
+    bool panels;
+  };
+
+  // Posts `job` (the leader's part run here) and waits for the other threads' parts.
+  void lead(const Job& job) {
+    post(job);
+    std::exception_ptr own;
+    in_job_ = true;
+    try {
+      run_part(job, 0);
+    } catch (...) {
+      own = std::current_exception();
+    }
+    in_job_ = false;
+    // the leader's own share of what comes next, while the others finish theirs
+    for (const uint64_t since = __rdtsc(); pending_.load(std::memory_order_acquire) != 0;)
+      if (!ahead_.fetch(from_.load(std::memory_order_relaxed), kAheadBytes, kAheadLines)) relax(since);
+    if (!own) std::swap(own, job_failure_);
+    job_failure_ = nullptr;
+    failed_.clear();
+    if (own) std::rethrow_exception(own);
+  }
 
   struct Slot {
     Team* team = nullptr;
@@ -215,18 +273,20 @@ class Team {
     }
   }
 
-  static void run_chunk(Fn fn, const void* ctx, int64_t begin, int64_t end, int64_t chunk, int tid) {
-    const int64_t b = begin + tid * chunk;
-    if (b >= end) return;
+  // Thread `tid`'s part of `job`.
+  void run_part(const Job& job, int tid) const {
+    int64_t b = job.begin + tid * job.chunk, e = std::min(job.end, b + job.chunk);
+    if (job.panels) std::tie(b, e) = PanelSplit{true}.range(job.end - job.begin, size_, tid);
+    if (b >= e) return;
     at::internal::ThreadIdGuard tid_guard(tid);
     c10::ParallelGuard guard(true);
-    fn(ctx, b, std::min(end, b + chunk));
+    job.fn(job.ctx, b, e);
   }
 
   // Publishes a job (fn null: stop) to the other threads; the leader has waited for the last one's end.
-  void post(Fn fn, const void* ctx, int64_t begin, int64_t end, int64_t chunk) {
+  void post(const Job& job) {
     if (size_ == 1) return;
-    job_ = {fn, ctx, begin, end, chunk};
+    job_ = job;
     pending_.store(size_ - 1, std::memory_order_relaxed);
     seq_.fetch_add(1, std::memory_order_seq_cst);
     // a thread that counted itself asleep before this job was posted is woken; one counting itself after sees it
@@ -277,19 +337,13 @@ class Team {
         return;
       }
       try {
-        run_chunk(job.fn, job.ctx, job.begin, job.end, job.chunk, tid);
+        run_part(job, tid);
       } catch (...) {
         if (!failed_.test_and_set()) job_failure_ = std::current_exception();  // the first one is reported
       }
       pending_.fetch_sub(1, std::memory_order_release);
     }
   }
-
-  struct Job {
-    Fn fn;
-    const void* ctx;
-    int64_t begin, end, chunk;
-  };
 
   int size_ = 1;
   Job job_{};
@@ -315,6 +369,23 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
   } else {
     at::parallel_for(begin, end, grain, f);
   }
+}
+
+// fn(p0, p1) over a linear layer's panels [0, panels): split by panel_split() on the calling thread's team when
+// it leads one, else at::parallel_for's.
+template <typename F>
+inline void parallel_panels(int64_t panels, const F& f) {
+  if (Team* team = Team::current()) {
+    team->parallel_panels(panels, f);
+  } else {
+    at::parallel_for(0, panels, 1, f);
+  }
+}
+
+// How the linear kernels running now split their panels (FetchCursor fetches the shares they will read).
+inline PanelSplit panel_split() {
+  const Team* team = Team::current();
+  return team != nullptr ? team->panel_split() : PanelSplit{};
 }
 
 // The threads fastcpu::parallel_for splits over.
