@@ -92,6 +92,12 @@ class FetchCursor {
 // int8 linears of 30 layers from memory, both hints alternated in one process (bench_kernel_ab.py, 16 rounds, three
 // runs on the Zen 4 VM): 0.85-0.93x the time at 1 row, 0.92x at 8, 0.99x at 169; the batch-8 stack 0.94-0.95x.
 // L2 for the panel's own lines but L1 for the next panel's quarters took 1.22x the time of both in L2 at 8 rows.
+// Where a panel takes more than one pass (4+ rows), the first pass also asks for the next panel's first quarter
+// (FirstPassFetch) and each later pass for the following one: at 8 rows three of the next panel's quarters are
+// asked for while this one is multiplied, against two when only the later passes asked. The 120 linears from
+// memory, alternated (bench_kernel_ab.py, 24 rounds, three runs): 0.948-0.957x the time at 8 rows, 0.97-1.00x at
+// 169; the batch-8 int8 stacks, whose team fetches ahead between jobs anyway, 0.98-0.99x. A lone pass (1-3 rows)
+// asks as before; a second stream tested inside every pass's loop cost 1-4% at 1 row.
 struct PassFetch {
   const char* base = nullptr;  // null: nothing
   int lines = 0;  // lines asked for per k-group
@@ -100,18 +106,39 @@ struct PassFetch {
   }
 };
 
+// The first of several passes over a panel: its own lines ahead, and one line per k-group of the next panel's
+// first quarter (a type of its own, so that a lone pass's loop carries no test for the second stream).
+struct FirstPassFetch {
+  PassFetch own;
+  const char* next;
+  inline void at(int64_t group) const {
+    own.at(group);
+    _mm_prefetch(next + group * 64, _MM_HINT_T2);
+  }
+};
+
 class PanelFetch {
  public:
   // ahead: the panel's own weights a few groups ahead of its first pass (null: its first pass was earlier);
-  // next: the panel read next by this thread (null: none); groups: k-groups per panel (4 lines each).
-  PanelFetch(const void* ahead, const void* next, int64_t groups)
-      : ahead_(static_cast<const char*>(ahead)), next_(static_cast<const char*>(next)), groups_(groups) {}
+  // next: the panel read next by this thread (null: none); groups: k-groups per panel (4 lines each);
+  // passes: how many passes the kernel makes over the panel.
+  PanelFetch(const void* ahead, const void* next, int64_t groups, int passes)
+      : ahead_(static_cast<const char*>(ahead)), next_(static_cast<const char*>(next)), groups_(groups),
+        first_quarter_(ahead != nullptr && passes == 1 ? -1 : 0) {}
+
+  // Whether the next pass is the first of several over a panel read from memory, with a next panel to ask for
+  // (then first_pass(), else next_pass()).
+  bool first_of_several() const { return pass_ == 0 && ahead_ != nullptr && first_quarter_ == 0 && next_ != nullptr; }
+  FirstPassFetch first_pass() {
+    ++pass_;
+    return {{ahead_, 4}, next_};
+  }
 
   // What the next pass over the panel asks for.
   PassFetch next_pass() {
     const int pass = pass_++;
     if (pass == 0 && ahead_ != nullptr) return {ahead_, 4};
-    const int quarter = ahead_ != nullptr ? pass - 1 : pass;
+    const int quarter = pass + first_quarter_;
     if (next_ == nullptr || quarter >= 4) return {};
     return {next_ + quarter * groups_ * 64, 1};
   }
@@ -120,6 +147,7 @@ class PanelFetch {
   const char* ahead_;
   const char* next_;
   int64_t groups_;
+  int first_quarter_;  // the quarter of the next panel the first pass asks for (-1: none, the pass is alone)
   int pass_ = 0;
 };
 

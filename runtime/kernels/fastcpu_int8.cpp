@@ -101,10 +101,10 @@ QuantRows quantize_rows(const T* x, int64_t ldx, int64_t m, int64_t k, int64_t b
 // MR rows x NV vectors (16 columns each) of one panel, from column c0 of the panel. Integer accumulators per
 // block, folded into fp32 accumulators at each block's end; MR and NV are template constants so that both
 // stay in registers (2 * MR * NV + NV + 1 of the 32 zmm registers).
-template <int MR, int NV>
+template <int MR, int NV, typename Fetch>
 inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel, int64_t c0,
                  const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias,
-                 const fastcpu::PassFetch& fetch) {
+                 const Fetch& fetch) {
   __m512 facc[MR][NV];
   for (int a = 0; a < MR; ++a)
     for (int v = 0; v < NV; ++v) facc[a][v] = _mm512_setzero_ps();
@@ -154,9 +154,19 @@ inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const
   if constexpr (MR <= 3) {
     tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
   } else {
-    tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
+    if (fetch.first_of_several()) {
+      tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.first_pass());
+    } else {
+      tile<MR, 2>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
+    }
     if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, out, cn, scale, bias, fetch.next_pass());
   }
+}
+
+// How many passes rows_of_panel makes over a (full-width) panel for `rows` rows, 6 at a time.
+constexpr int passes_over_panel(int64_t rows) {
+  const int64_t rest = rows % 6;
+  return static_cast<int>(rows / 6 * 2 + (rest >= 4 ? 2 : rest > 0 ? 1 : 0));
 }
 
 void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
@@ -175,7 +185,8 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
       // this thread's next panel (none after its last item; the same panel while its row chunks go on)
       const int64_t p_next = (i + 1) / chunks;
       fastcpu::PanelFetch fetch(i % chunks == 0 ? panel + kPrefetchGroups * kGroupBytes : nullptr,
-                                i + 1 < i1 && p_next != p ? packed + p_next * panel_bytes : nullptr, groups);
+                                i + 1 < i1 && p_next != p ? packed + p_next * panel_bytes : nullptr, groups,
+                                passes_over_panel(r_end - r_begin));
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       const float* sp = scale + c0;
       const float* bp = bias ? bias + c0 : nullptr;
