@@ -30,7 +30,6 @@
 #include <climits>
 #include <cstdint>
 #include <exception>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -57,7 +56,9 @@ struct PanelSplit {
       const int64_t p0 = std::min(panels, thread * chunk);
       return {p0, std::min(panels, p0 + chunk)};
     }
-    const int64_t lead = panels * kLeaderPercent / (kLeaderPercent + 100 * (threads - 1));
+    // at least one panel each while there are enough (two panels: one each, not both on the other thread)
+    const int64_t lead = std::max<int64_t>(panels >= threads ? 1 : 0,
+                                           panels * kLeaderPercent / (kLeaderPercent + 100 * (threads - 1)));
     const int64_t rest = panels - lead, chunk = (rest + threads - 2) / (threads - 1);
     if (thread == 0) return {rest, panels};
     const int64_t p0 = std::min(rest, (thread - 1) * chunk);
@@ -217,7 +218,8 @@ class Team {
  private:
   using Fn = void (*)(const void*, int64_t, int64_t);
 
-  // A job: fn(ctx, b, e) over [begin, end), thread t's part at::parallel_for's (chunk) or a panel split.
+  // A job: fn(ctx, b, e) over [begin, end); thread t's part is at::parallel_for's (runs of `chunk`), or for a
+  // linear's panels the light leader's split.
   struct Job {
     Fn fn;
     const void* ctx;
@@ -276,7 +278,11 @@ class Team {
   // Thread `tid`'s part of `job`.
   void run_part(const Job& job, int tid) const {
     int64_t b = job.begin + tid * job.chunk, e = std::min(job.end, b + job.chunk);
-    if (job.panels) std::tie(b, e) = PanelSplit{true}.range(job.end - job.begin, size_, tid);
+    if (job.panels) {
+      const auto [p0, p1] = PanelSplit{true}.range(job.end - job.begin, size_, tid);
+      b = job.begin + p0;
+      e = job.begin + p1;
+    }
     if (b >= e) return;
     at::internal::ThreadIdGuard tid_guard(tid);
     c10::ParallelGuard guard(true);
