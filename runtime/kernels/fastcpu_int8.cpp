@@ -145,13 +145,21 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
   }
 }
 
-// Up to 3 rows take the whole panel width in one pass (each weight vector loaded once for all rows); 4..6
-// rows take half of it per pass. `fetch` says what each pass over the panel asks for ahead (PanelFetch).
+// Passes over a (full-width) panel for a tile of `rows` rows (1..6): up to 3 rows take the whole panel width in
+// one pass (each weight vector loaded once for all rows); 4..6 rows take half of it per pass.
+constexpr int tile_passes(int64_t rows) { return rows <= 3 ? 1 : 2; }
+
+// How many passes rows_of_panel makes over a panel for `rows` rows, 6 at a time.
+constexpr int passes_over_panel(int64_t rows) {
+  return static_cast<int>(rows / 6 * tile_passes(6) + (rows % 6 > 0 ? tile_passes(rows % 6) : 0));
+}
+
+// MR rows of a panel in tile_passes(MR) passes. `fetch` says what each pass asks for ahead (PanelFetch).
 template <int MR>
 inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t* panel,
                           const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias,
                           fastcpu::PanelFetch& fetch) {
-  if constexpr (MR <= 3) {
+  if constexpr (tile_passes(MR) == 1) {
     tile<MR, 4>(xq, r0, groups, panel, 0, out, cn, scale, bias, fetch.next_pass());
   } else {
     if (fetch.first_of_several()) {
@@ -161,12 +169,6 @@ inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const
     }
     if (cn > 32) tile<MR, 2>(xq, r0, groups, panel, 32, out, cn, scale, bias, fetch.next_pass());
   }
-}
-
-// How many passes rows_of_panel makes over a (full-width) panel for `rows` rows, 6 at a time.
-constexpr int passes_over_panel(int64_t rows) {
-  const int64_t rest = rows % 6;
-  return static_cast<int>(rows / 6 * 2 + (rest >= 4 ? 2 : rest > 0 ? 1 : 0));
 }
 
 void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,

@@ -175,32 +175,13 @@ class Team {
   // hands out work; from inside a job it runs on the calling thread (as at::parallel_for does inside a region).
   template <typename F>
   void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-    if (begin >= end) return;
-    const int64_t numiter = end - begin;
-    if (thread() != 0 || in_job_ || size_ == 1 || numiter <= grain || numiter == 1) {
-      at::internal::ThreadIdGuard tid_guard(0);  // as at::parallel_for runs it inline
-      c10::ParallelGuard guard(true);
-      f(begin, end);
-      return;
-    }
-    int64_t used = size_;
-    if (grain > 0) used = std::min<int64_t>(used, (numiter + grain - 1) / grain);
-    lead({&call<F>, &f, begin, end, (numiter + used - 1) / used, false});
+    split(begin, end, grain, f, false);
   }
 
-  // fn(p0, p1) over the panels [0, panels) of a linear layer, split by panel_split(). Only the leader hands out
-  // work; elsewhere the calling thread runs them all.
+  // fn(p0, p1) over the panels [0, panels) of a linear layer, split by panel_split(); otherwise as parallel_for.
   template <typename F>
   void parallel_panels(int64_t panels, const F& f) {
-    if (!panel_split().light_leader) {
-      parallel_for(0, panels, 1, f);
-    } else if (thread() != 0 || in_job_ || size_ == 1 || panels <= 1) {
-      at::internal::ThreadIdGuard tid_guard(0);
-      c10::ParallelGuard guard(true);
-      f(0, panels);
-    } else {
-      lead({&call<F>, &f, 0, panels, 0, true});
-    }
+    split(0, panels, 1, f, panel_split().light_leader);
   }
 
   // How this team splits a linear layer's panels: a light leader while it fetches ahead.
@@ -226,6 +207,23 @@ class Team {
     int64_t begin, end, chunk;
     bool panels;
   };
+
+  // parallel_for's and parallel_panels' way: inline where at::parallel_for would run inline, else a job whose
+  // parts are at::parallel_for's chunks or (light_panels) the light leader's panel split.
+  template <typename F>
+  void split(int64_t begin, int64_t end, int64_t grain, const F& f, bool light_panels) {
+    if (begin >= end) return;
+    const int64_t numiter = end - begin;
+    if (thread() != 0 || in_job_ || size_ == 1 || numiter <= grain || numiter == 1) {
+      at::internal::ThreadIdGuard tid_guard(0);  // as at::parallel_for runs it inline
+      c10::ParallelGuard guard(true);
+      f(begin, end);
+      return;
+    }
+    int64_t used = size_;
+    if (grain > 0) used = std::min<int64_t>(used, (numiter + grain - 1) / grain);
+    lead({&call<F>, &f, begin, end, (numiter + used - 1) / used, light_panels});
+  }
 
   // Posts `job` (the leader's part run here) and waits for the other threads' parts.
   void lead(const Job& job) {
@@ -275,14 +273,19 @@ class Team {
     }
   }
 
-  // Thread `tid`'s part of `job`.
-  void run_part(const Job& job, int tid) const {
-    int64_t b = job.begin + tid * job.chunk, e = std::min(job.end, b + job.chunk);
+  // Thread `tid`'s range of `job`: [first, second).
+  std::pair<int64_t, int64_t> part(const Job& job, int tid) const {
     if (job.panels) {
       const auto [p0, p1] = PanelSplit{true}.range(job.end - job.begin, size_, tid);
-      b = job.begin + p0;
-      e = job.begin + p1;
+      return {job.begin + p0, job.begin + p1};
     }
+    const int64_t b = job.begin + tid * job.chunk;
+    return {b, std::min(job.end, b + job.chunk)};
+  }
+
+  // Thread `tid`'s part of `job`.
+  void run_part(const Job& job, int tid) const {
+    const auto [b, e] = part(job, tid);
     if (b >= e) return;
     at::internal::ThreadIdGuard tid_guard(tid);
     c10::ParallelGuard guard(true);
