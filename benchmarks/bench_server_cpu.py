@@ -15,9 +15,12 @@ Beside them, from ``/get_server_info`` around each run: how many scheduler steps
 its wall time the scheduler spent in steps (the rest it waited for requests).
 
 Then the same for ``--single`` requests of the workload sent one after another, streamed and not, which shows
-what streaming alone costs each process per request.
+what streaming alone costs each process per request. ``--unstreamed`` also runs the whole workload with its
+requests unstreamed (one JSON reply each, as ``radixserve bench run --disable-stream`` sends them), alternated with
+the streamed runs: the throughput a concurrent run loses to streaming, where every token is a message from the
+scheduler to the detokenizer, from there to the HTTP process and an event written to the client.
 
-    python benchmarks/bench_server_cpu.py [--workload fewshot] [--runs 3] [--single 32]
+    python benchmarks/bench_server_cpu.py [--workload fewshot] [--runs 3] [--single 32] [--unstreamed]
         [--server-args '--quantization int8'] [--json out.json]
 """
 
@@ -67,28 +70,38 @@ def per_request_ms(before: dict[str, float], after: dict[str, float], requests: 
     return {name: round(1e3 * (after[name] - before[name]) / requests, 3) for name in PROCESSES}
 
 
-async def workload_runs(url: str, procs: dict[str, psutil.Process], workload: str, runs: int) -> list[dict[str, Any]]:
-    out = []
-    for _ in range(runs):
-        wl = make_workload(workload)
-        async with OpenAIClient(url, concurrency=8, progress=False) as client:
-            await client.warmup()
-            if not await client.flush_cache():
-                raise RuntimeError("the server did not flush its cache")
-            before = cpu_seconds(procs)
-            result = await client.run(wl)
-            after = cpu_seconds(procs)
-        s = summarize(result, "radixserve")
-        wall = s["wall_s"]
-        sched = [info["scheduler"] for info in (result.server_before, result.server_after) if info is not None]
-        steps = sched[1]["steps"] - sched[0]["steps"] if len(sched) == 2 else None
-        busy = sched[1]["forward_seconds"] - sched[0]["forward_seconds"] if len(sched) == 2 else None
-        out.append({"sequences_per_s": round(s["sequences_per_s"], 3), "requests": s["requests"],
-                    "errors": s["errors"], "wall_s": round(wall, 3), "scheduler_steps": steps,
-                    "scheduler_busy_share": round(busy / wall, 3) if busy is not None else None,
-                    "cpu_ms_per_request": per_request_ms(before, after, s["requests"]),
-                    "cores_busy": {n: round((after[n] - before[n]) / wall, 3) for n in PROCESSES}})
-    return out
+async def workload_run(url: str, procs: dict[str, psutil.Process], workload: str, stream: bool) -> dict[str, Any]:
+    """One run of the workload on a flushed cache, its requests streamed or not."""
+    wl = make_workload(workload)
+    async with OpenAIClient(url, concurrency=8, progress=False, stream=stream) as client:
+        await client.warmup()
+        if not await client.flush_cache():
+            raise RuntimeError("the server did not flush its cache")
+        before = cpu_seconds(procs)
+        result = await client.run(wl)
+        after = cpu_seconds(procs)
+    s = summarize(result, "radixserve")
+    wall = s["wall_s"]
+    sched = [info["scheduler"] for info in (result.server_before, result.server_after) if info is not None]
+    steps = sched[1]["steps"] - sched[0]["steps"] if len(sched) == 2 else None
+    busy = sched[1]["forward_seconds"] - sched[0]["forward_seconds"] if len(sched) == 2 else None
+    return {"sequences_per_s": round(s["sequences_per_s"], 3), "requests": s["requests"],
+            "errors": s["errors"], "wall_s": round(wall, 3), "scheduler_steps": steps,
+            "scheduler_busy_share": round(busy / wall, 3) if busy is not None else None,
+            "cpu_ms_per_request": per_request_ms(before, after, s["requests"]),
+            "cores_busy": {n: round((after[n] - before[n]) / wall, 3) for n in PROCESSES}}
+
+
+async def workload_runs(url: str, procs: dict[str, psutil.Process], workload: str, runs: int,
+                        unstreamed: bool) -> dict[str, list[dict[str, Any]]]:
+    """``runs`` streamed runs; with ``unstreamed`` as many unstreamed ones, alternated (which goes first flips
+    every round: this host's speed drifts by more than streaming costs)."""
+    out: dict[str, list[dict[str, Any]]] = {"streamed": [], "unstreamed": []}
+    for i in range(runs):
+        modes = [True, False] if unstreamed else [True]
+        for stream in modes if i % 2 == 0 else modes[::-1]:
+            out["streamed" if stream else "unstreamed"].append(await workload_run(url, procs, workload, stream))
+    return {mode: results for mode, results in out.items() if results}
 
 
 def single_requests(url: str, procs: dict[str, psutil.Process], workload: str, count: int) -> dict[str, Any]:
@@ -115,18 +128,23 @@ def main() -> None:
     ap.add_argument("--workload", default="fewshot", help="Built-in workload (as radixserve bench run).")
     ap.add_argument("--runs", type=int, default=3, help="Runs of the workload, each on a flushed cache.")
     ap.add_argument("--single", type=int, default=32, help="Requests sent one at a time, streamed and not (0: none).")
+    ap.add_argument("--unstreamed", action="store_true",
+                    help="Also run the workload with its requests unstreamed (bench run --disable-stream), "
+                    "alternated with the streamed runs.")
     ap.add_argument("--server-args", default="", help="radixserve serve flags, one quoted string.")
     ap.add_argument("--json", help="Save the result here.")
     args = ap.parse_args()
     flags = shlex.split(args.server_args)
     with tempfile.TemporaryDirectory() as logs, radixserve_server(Path(logs), extra=flags) as srv:
         procs = server_processes(srv)
-        runs = asyncio.run(workload_runs(srv.url, procs, args.workload, args.runs))
+        runs = asyncio.run(workload_runs(srv.url, procs, args.workload, args.runs, args.unstreamed))
         single = single_requests(srv.url, procs, args.workload, args.single) if args.single else {}
-    med = {n: statistics.median(r["cpu_ms_per_request"][n] for r in runs) for n in PROCESSES}
-    emit({"cpu": cpu_simd(), "server_args": args.server_args, "workload": args.workload,
-          "median_sequences_per_s": statistics.median(r["sequences_per_s"] for r in runs),
-          "median_cpu_ms_per_request": med, "runs": runs, "one_at_a_time": single}, args.json)
+    medians = {mode: {"sequences_per_s": statistics.median(r["sequences_per_s"] for r in results),
+                      "cpu_ms_per_request": {n: statistics.median(r["cpu_ms_per_request"][n] for r in results)
+                                             for n in PROCESSES}}
+               for mode, results in runs.items()}
+    emit({"cpu": cpu_simd(), "server_args": args.server_args, "workload": args.workload, "medians": medians,
+          "runs": runs, "one_at_a_time": single}, args.json)
 
 
 if __name__ == "__main__":

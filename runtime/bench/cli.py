@@ -52,6 +52,9 @@ def add_bench_parser(sub: Any) -> None:
     run.add_argument("--flush-cache", action="store_true",
                      help="POST /flush_cache first (radixserve), so the hit rate covers this run only.")
     run.add_argument("--no-warmup", action="store_true", help="Skip the unmeasured warm-up request.")
+    run.add_argument("--disable-stream", action="store_true",
+                     help="Send every request unstreamed (one JSON reply each): no TTFT, and the server sends "
+                     "nothing per token, so the throughput against a streamed run shows what streaming costs.")
     run.add_argument("--timeout", type=float, default=3600.0, help="Per-request timeout in seconds.")
     run.add_argument("--label", default="target", help="System name to record with the results.")
     run.add_argument("--out", default=None, help="Save the summary and per-request records to this JSON file.")
@@ -148,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
         wl = make_workload(args.workload, args.quick, parse_params(args.param))
     run = run_workload(args.url, wl, concurrency=args.concurrency, n_mode=args.n_mode, model=args.model,
                        timeout=args.timeout, progress=not args.no_progress, label=f"{args.label}/{wl['name']}",
-                       warmup=not args.no_warmup, flush=args.flush_cache)
+                       warmup=not args.no_warmup, flush=args.flush_cache, stream=not args.disable_stream)
     opt, mismatches = None, None
     if not args.no_optimum:
         from runtime.bench.optimum import PromptTokenizer, optimum_for

@@ -38,7 +38,7 @@ class RequestRecord:
     first_token_at: float | None = None
     done_at: float | None = None
     texts: dict[int, str] = field(default_factory=dict)
-    chunks: int = 0  # non-empty content chunks (about one token each): the fallback token count
+    chunks: int = 0  # non-empty content chunks (about one token each; one per choice unstreamed): the fallback count
     output_tokens: int | None = None  # usage.completion_tokens
     prompt_tokens: int | None = None  # usage.prompt_tokens
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
@@ -77,6 +77,17 @@ class RunResult:
     server_after: dict[str, Any] | None = None
 
 
+def take_usage(usage: dict[str, Any] | None, rec: RequestRecord) -> None:
+    """A reply's or a stream's usage figures into ``rec``."""
+    if not usage:
+        return
+    rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        rec.cached_tokens = int(details["cached_tokens"])
+
+
 def openai_base(url: str) -> str:
     """``http://host:port`` or ``.../v1`` -> ``.../v1`` (the OpenAI base URL)."""
     url = url.rstrip("/")
@@ -98,9 +109,13 @@ def count_http_requests(wl: dict[str, Any], n_mode: str) -> int:
 
 class OpenAIClient:
     def __init__(self, base_url: str, *, concurrency: int = 8, n_mode: str = "native", timeout: float = 1800.0,
-                 model: str | None = None, api_key: str = "none", progress: bool = True, label: str = ""):
+                 model: str | None = None, api_key: str = "none", progress: bool = True, label: str = "",
+                 stream: bool = True):
         if n_mode not in ("native", "expand"):
             raise ValueError(f"n_mode: native or expand, got {n_mode!r}")
+        # Streamed requests time their first token. Unstreamed ones get one JSON reply each (no TTFT): the
+        # server then sends nothing per token, which shows what streaming costs it.
+        self.stream = stream
         self.base = openai_base(base_url)
         self.root = server_root(base_url)
         self.model = model
@@ -176,7 +191,8 @@ class OpenAIClient:
     async def send(self, rid: str, endpoint: str, body: dict[str, Any], record: bool = True) -> RequestRecord:
         path = "/completions" if endpoint == "completions" else "/chat/completions"
         rec = RequestRecord(rid, endpoint, body, max(int(body.get("n", 1) or 1), 1))
-        payload = dict(body, model=self.model, stream=True, stream_options={"include_usage": True})
+        payload = (dict(body, model=self.model, stream=True, stream_options={"include_usage": True}) if self.stream
+                   else dict(body, model=self.model, stream=False))
         async with self._sem:
             if record:
                 self.records.append(rec)
@@ -185,8 +201,10 @@ class OpenAIClient:
                 async with self.session.post(self.base + path, json=payload, headers=self.headers) as resp:
                     if resp.status != 200:
                         rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    else:
+                    elif self.stream:
                         await self._read_stream(resp, rec)
+                    else:
+                        self._read_reply(await resp.json(content_type=None), rec)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 rec.error = f"{type(exc).__name__}: {exc}"[:200]
             rec.done_at = time.perf_counter() - self._t0
@@ -212,13 +230,7 @@ class OpenAIClient:
             if chunk.get("error") and not chunk.get("choices"):
                 rec.error = str(chunk["error"])[:200]
                 return
-            usage = chunk.get("usage")
-            if usage:
-                rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
-                rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-                details = usage.get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    rec.cached_tokens = int(details["cached_tokens"])
+            take_usage(chunk.get("usage"), rec)
             for choice in chunk.get("choices") or []:
                 idx = int(choice.get("index", 0))
                 if rec.endpoint == "completions":
@@ -231,6 +243,19 @@ class OpenAIClient:
                         rec.first_token_at = time.perf_counter() - self._t0
                     rec.texts[idx] += piece
                     rec.chunks += 1
+
+    @staticmethod
+    def _read_reply(reply: dict[str, Any], rec: RequestRecord) -> None:
+        """An unstreamed reply: every choice's whole text and the usage."""
+        if reply.get("error") and not reply.get("choices"):
+            rec.error = str(reply["error"])[:200]
+            return
+        take_usage(reply.get("usage"), rec)
+        for choice in reply.get("choices") or []:
+            idx = int(choice.get("index", 0))
+            text = choice.get("text") if rec.endpoint == "completions" else (choice.get("message") or {}).get("content")
+            rec.texts[idx] = text or ""
+            rec.chunks += 1 if text else 0
 
     # ------------------------------------------------------------------ workloads
     async def _run_request(self, req: dict[str, Any]) -> None:
@@ -286,9 +311,10 @@ class OpenAIClient:
 
 async def run_workload_async(url: str, wl: dict[str, Any], *, concurrency: int = 8, n_mode: str = "native",
                              model: str | None = None, timeout: float = 1800.0, progress: bool = True,
-                             label: str = "", warmup: bool = True, flush: bool = False) -> RunResult:
+                             label: str = "", warmup: bool = True, flush: bool = False,
+                             stream: bool = True) -> RunResult:
     async with OpenAIClient(url, concurrency=concurrency, n_mode=n_mode, timeout=timeout, model=model,
-                            progress=progress, label=label) as client:
+                            progress=progress, label=label, stream=stream) as client:
         if warmup:
             await client.warmup()
         if flush and not await client.flush_cache():

@@ -84,3 +84,20 @@ def test_bench_run_on_a_workload_file_of_chat_sessions(server: ServerProcess, ti
     # The second turn re-sends the first turn and its answer, both cached by then (measured ~0.48 of an optimum
     # ~0.49). The optimum re-tokenizes the answer text, which a random model's tokens need not round-trip to.
     assert s["hit_rate"] > 0.3 and s["hit_vs_optimum"] >= 0.9
+
+
+def test_unstreamed_requests_get_the_streamed_texts_and_counts(server: ServerProcess) -> None:
+    """``--disable-stream``: one JSON reply per request, read into the same records as a stream. One request at
+    a time on a flushed cache, greedy, so both runs compute the same batches and answer the same; the chat
+    sessions check the chat reply's message shape (and their later turns resend what the first answered)."""
+    from runtime.bench.client import run_workload
+
+    for wl in (make("fewshot", questions=3, max_tokens=6), make("multiturn", sessions=1, turns=2, max_tokens=5)):
+        streamed, unstreamed = (run_workload(server.url, wl, concurrency=1, progress=False, flush=True, stream=s)
+                                for s in (True, False))
+        assert [r.id for r in streamed.records] == [r.id for r in unstreamed.records]
+        for a, b in zip(streamed.records, unstreamed.records, strict=True):
+            assert a.ok and b.ok, (a.error, b.error)
+            assert b.texts == a.texts and b.texts[0], (a.texts, b.texts)
+            assert (b.output_tokens, b.prompt_tokens) == (a.output_tokens, a.prompt_tokens)
+            assert b.output_tokens > 0 and b.ttft is None and a.ttft is not None
