@@ -77,15 +77,19 @@ class RunResult:
     server_after: dict[str, Any] | None = None
 
 
-def take_usage(usage: dict[str, Any] | None, rec: RequestRecord) -> None:
-    """A reply's or a stream's usage figures into ``rec``."""
-    if not usage:
-        return
-    rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
-    rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-    details = usage.get("prompt_tokens_details") or {}
-    if details.get("cached_tokens") is not None:
-        rec.cached_tokens = int(details["cached_tokens"])
+def take_error_or_usage(body: dict[str, Any], rec: RequestRecord) -> bool:
+    """A reply's or a stream chunk's error into ``rec`` (True: it was one), or its usage figures."""
+    if body.get("error") and not body.get("choices"):
+        rec.error = str(body["error"])[:200]
+        return True
+    usage = body.get("usage")
+    if usage:
+        rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+        rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            rec.cached_tokens = int(details["cached_tokens"])
+    return False
 
 
 def openai_base(url: str) -> str:
@@ -227,10 +231,8 @@ class OpenAIClient:
             if data == b"[DONE]":
                 return
             chunk = json.loads(data)
-            if chunk.get("error") and not chunk.get("choices"):
-                rec.error = str(chunk["error"])[:200]
+            if take_error_or_usage(chunk, rec):
                 return
-            take_usage(chunk.get("usage"), rec)
             for choice in chunk.get("choices") or []:
                 idx = int(choice.get("index", 0))
                 if rec.endpoint == "completions":
@@ -247,10 +249,8 @@ class OpenAIClient:
     @staticmethod
     def _read_reply(reply: dict[str, Any], rec: RequestRecord) -> None:
         """An unstreamed reply: every choice's whole text and the usage."""
-        if reply.get("error") and not reply.get("choices"):
-            rec.error = str(reply["error"])[:200]
+        if take_error_or_usage(reply, rec):
             return
-        take_usage(reply.get("usage"), rec)
         for choice in reply.get("choices") or []:
             idx = int(choice.get("index", 0))
             text = choice.get("text") if rec.endpoint == "completions" else (choice.get("message") or {}).get("content")
