@@ -124,11 +124,11 @@ class PanelFetch {
   // passes: how many passes the kernel makes over the panel.
   PanelFetch(const void* ahead, const void* next, int64_t groups, int passes)
       : ahead_(static_cast<const char*>(ahead)), next_(static_cast<const char*>(next)), groups_(groups),
-        first_quarter_(ahead != nullptr && passes == 1 ? -1 : 0) {}
+        several_(passes > 1) {}
 
   // Whether the next pass is the first of several over a panel read from memory, with a next panel to ask for
   // (then first_pass(), else next_pass()).
-  bool first_of_several() const { return pass_ == 0 && ahead_ != nullptr && first_quarter_ == 0 && next_ != nullptr; }
+  bool first_of_several() const { return pass_ == 0 && ahead_ != nullptr && several_ && next_ != nullptr; }
   FirstPassFetch first_pass() {
     ++pass_;
     return {{ahead_, 4}, next_};
@@ -138,16 +138,16 @@ class PanelFetch {
   PassFetch next_pass() {
     const int pass = pass_++;
     if (pass == 0 && ahead_ != nullptr) return {ahead_, 4};
-    const int quarter = pass + first_quarter_;
-    if (next_ == nullptr || quarter >= 4) return {};
-    return {next_ + quarter * groups_ * 64, 1};
+    // pass p asks for quarter p of the next panel (a first pass from memory asks for quarter 0 in first_pass)
+    if (next_ == nullptr || pass >= 4) return {};
+    return {next_ + pass * groups_ * 64, 1};
   }
 
  private:
   const char* ahead_;
   const char* next_;
   int64_t groups_;
-  int first_quarter_;  // the quarter of the next panel the first pass asks for (-1: none, the pass is alone)
+  bool several_;  // more than one pass over the panel
   int pass_ = 0;
 };
 

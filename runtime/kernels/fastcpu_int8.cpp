@@ -171,6 +171,17 @@ inline void rows_of_panel(const QuantRows& xq, int64_t r0, int64_t groups, const
   }
 }
 
+// items(i0, i1) over the work items (panel p, row chunk c) = p * chunks + c: with one chunk per panel (up to
+// kInt8ChunkRows rows) the panels' split (parallel_panels), else at::parallel_for's, a panel's chunks together.
+template <typename F>
+void over_items(int64_t panels, int64_t chunks, const F& items) {
+  if (chunks == 1) {
+    fastcpu::parallel_panels(panels, items);
+  } else {
+    fastcpu::parallel_for(0, panels * chunks, 1, items);
+  }
+}
+
 void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint8_t* packed, const float* scale,
                       const float* bias, const fastcpu::ProductDest& dest, int64_t n) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -205,12 +216,7 @@ void linear_int8_impl(const QuantRows& xq, int64_t m, int64_t groups, const uint
       }
     }
   };
-  // one chunk per panel (up to kChunkRows rows): the panels' split; else chunks of a panel stay together
-  if (chunks == 1) {
-    fastcpu::parallel_panels(panels, items);
-  } else {
-    fastcpu::parallel_for(0, panels * chunks, 1, items);
-  }
+  over_items(panels, chunks, items);
 }
 
 #ifdef FASTCPU_AMX
@@ -341,11 +347,7 @@ void linear_int8_amx(const QuantRows& xq, int64_t m, int64_t groups, const uint8
       }
     }
   };
-  if (chunks == 1) {
-    fastcpu::parallel_panels(panels, items);
-  } else {
-    fastcpu::parallel_for(0, panels * chunks, 1, items);
-  }
+  over_items(panels, chunks, items);
 }
 
 #endif  // FASTCPU_AMX
