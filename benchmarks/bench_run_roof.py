@@ -17,8 +17,8 @@ Norms, RoPE, the softmax's exponentials, the KV store, sampling and everything o
 nothing, and the reading of weights is assumed to hide under the arithmetic, so the time at the roof is a bound
 no implementation on this CPU can beat, not an estimate. The report gives the run's wall time as a multiple of
 it, and, where the folder holds a llama.cpp run of the same workload, the multiple a given ratio (``--ratio``,
-the issue's 10x) would allow. The folder's last run of each system is used (a folder reused by several
-comparisons holds them all).
+the issue's 10x) would allow. The folder's last comparison is used (a folder reused by several comparisons
+keeps every run's records).
 
     python benchmarks/bench_run_roof.py OUT_DIR [--workload fewshot] [--format int8] [--threads 2] [--ratio 10]
         [--json out.json]
@@ -27,7 +27,6 @@ comparisons holds them all).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 from bench_compute_peak import KINDS, probe_module
 from engine_steps import cpu_simd, emit
 
+from runtime.bench.report import load_results
 from runtime.models.folders import resolve_model_path
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.loader import load_config
@@ -49,7 +49,7 @@ class Shapes:
     attention_per_key: int  # scores and weighted values of one query position against one key, all layers
 
     @classmethod
-    def of_default_model(cls, model: str) -> Shapes:
+    def of_model(cls, model: str) -> Shapes:
         arch = LlamaForCausalLM.arch_from_config(load_config(resolve_model_path(model)))
         h, d = arch.hidden_size, arch.head_dim
         q, kv, inter = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
@@ -76,16 +76,13 @@ def run_macs(records: list[dict[str, Any]], shapes: Shapes) -> dict[str, int]:
 
 
 def last_runs(folder: Path, workload: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
-    """Each system's last result for ``workload``, and the records of radixserve's last run of it."""
-    results: dict[str, dict[str, Any]] = {}
-    for line in (folder / "results.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["workload"] == workload:
-            results[r["system"]] = r
+    """Each system's result for ``workload`` in the folder's last comparison (what its report shows), and the
+    records of radixserve's run of it (records.jsonl keeps every comparison's: the last ones are this run's)."""
+    summary, records = load_results(folder)
+    results = {r["system"]: r for r in summary["results"] if r["workload"] == workload}
     if "radixserve" not in results:
         raise SystemExit(f"{folder} holds no radixserve run of {workload!r}")
-    ours = [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
-    ours = [r for r in ours if r["system"] == "radixserve" and r["workload"] == workload]
+    ours = [r for r in records if r["system"] == "radixserve" and r["workload"] == workload]
     records = ours[-results["radixserve"]["requests"]:]
     if any(r.get("error") or r.get("cached_tokens") is None for r in records):
         raise SystemExit("radixserve's last run has failed requests or no cached-token counts")
@@ -104,7 +101,7 @@ def main() -> None:
     ap.add_argument("--json", help="Also save the result here.")
     args = ap.parse_args()
     results, records = last_runs(args.folder, args.workload)
-    macs = run_macs(records, Shapes.of_default_model(args.model))
+    macs = run_macs(records, Shapes.of_model(args.model))
     probe = probe_module()
     roof = {kind: probe.peak_macs(kind, 20_000_000, args.threads) for kind in (KINDS[args.format], "vdpbf16ps")}
     seconds = {"linear": macs["linear"] / roof[KINDS[args.format]], "head": macs["head"] / roof[KINDS[args.format]],
