@@ -97,8 +97,8 @@ async def workload_runs(url: str, procs: dict[str, psutil.Process], workload: st
     """``runs`` streamed runs; with ``unstreamed`` as many unstreamed ones, alternated (which goes first flips
     every round: this host's speed drifts by more than streaming costs)."""
     out: dict[str, list[dict[str, Any]]] = {"streamed": [], "unstreamed": []}
+    modes = [True, False] if unstreamed else [True]
     for i in range(runs):
-        modes = [True, False] if unstreamed else [True]
         for stream in modes if i % 2 == 0 else modes[::-1]:
             out["streamed" if stream else "unstreamed"].append(await workload_run(url, procs, workload, stream))
     return {mode: results for mode, results in out.items() if results}
