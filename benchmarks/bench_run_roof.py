@@ -5,7 +5,7 @@ run has no such floor, because most of its steps are bound by arithmetic. This c
 radixserve server had to do for the requests of a ``radixserve bench compare`` output folder (its
 ``records.jsonl``: per request the prompt tokens, the cached ones the server did not compute, the output tokens)
 and divides them by the roof of the instruction that does them, measured now with ``bench_compute_peak.py``'s
-probe on ``--threads`` threads:
+probe on ``--threads`` threads (the best of several):
 
 - the linear layers of every computed prompt token and every decode row (an output token but the last is fed
   back), at the ``vpdpbusd`` roof for ``--format int8`` and the ``vdpbf16ps`` roof for ``bfloat16``;
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_compute_peak import KINDS, probe_module
+from bench_compute_peak import KINDS, probe_module, roof_macs
 from engine_steps import cpu_simd, emit
 
 from runtime.bench.report import load_results
@@ -103,7 +103,7 @@ def main() -> None:
     results, records = last_runs(args.folder, args.workload)
     macs = run_macs(records, Shapes.of_model(args.model))
     probe = probe_module()
-    roof = {kind: probe.peak_macs(kind, 20_000_000, args.threads) for kind in (KINDS[args.format], "vdpbf16ps")}
+    roof = {kind: roof_macs(probe, kind, args.threads) for kind in (KINDS[args.format], "vdpbf16ps")}
     seconds = {"linear": macs["linear"] / roof[KINDS[args.format]], "head": macs["head"] / roof[KINDS[args.format]],
                "attention": macs["attention"] / roof["vdpbf16ps"]}
     at_roof = sum(seconds.values())
