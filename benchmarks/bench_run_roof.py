@@ -103,8 +103,9 @@ def main() -> None:
     results, records = last_runs(args.folder, args.workload)
     macs = run_macs(records, Shapes.of_model(args.model))
     probe = probe_module()
-    roof = {kind: roof_macs(probe, kind, args.threads) for kind in (KINDS[args.format], "vdpbf16ps")}
-    seconds = {"linear": macs["linear"] / roof[KINDS[args.format]], "head": macs["head"] / roof[KINDS[args.format]],
+    linear_kind = KINDS[args.format]
+    roof = {kind: roof_macs(probe, kind, args.threads) for kind in (linear_kind, "vdpbf16ps")}
+    seconds = {"linear": macs["linear"] / roof[linear_kind], "head": macs["head"] / roof[linear_kind],
                "attention": macs["attention"] / roof["vdpbf16ps"]}
     at_roof = sum(seconds.values())
     ours = results["radixserve"]
