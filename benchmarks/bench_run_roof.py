@@ -78,11 +78,11 @@ def run_macs(records: list[dict[str, Any]], shapes: Shapes) -> dict[str, int]:
 def last_runs(folder: Path, workload: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
     """Each system's result for ``workload`` in the folder's last comparison (what its report shows), and the
     records of radixserve's run of it (records.jsonl keeps every comparison's: the last ones are this run's)."""
-    summary, records = load_results(folder)
+    summary, every_record = load_results(folder)
     results = {r["system"]: r for r in summary["results"] if r["workload"] == workload}
     if "radixserve" not in results:
         raise SystemExit(f"{folder} holds no radixserve run of {workload!r}")
-    ours = [r for r in records if r["system"] == "radixserve" and r["workload"] == workload]
+    ours = [r for r in every_record if r["system"] == "radixserve" and r["workload"] == workload]
     records = ours[-results["radixserve"]["requests"]:]
     if any(r.get("error") or r.get("cached_tokens") is None for r in records):
         raise SystemExit("radixserve's last run has failed requests or no cached-token counts")
