@@ -112,11 +112,11 @@ KINDS = {"int8": "vpdpbusd", "bfloat16": "vdpbf16ps", "float32": "vfmadd231ps"}
 PROBES = 7
 
 
-def roof_macs(mod: Any, kind: str, threads: int, probes: int = PROBES) -> float:
+def roof_macs(mod: Any, kind: str, threads: int) -> float:
     """An instruction's roof on ``threads`` threads: the best of several short probes. A probe can only lose time
     (the first ones while the cores ramp up their clock, any one to another tenant of the host), never gain it, so
     the fastest is the roof; a single probe measured 235-470 G/s for ``vpdpbusd`` on a busy evening."""
-    return max(mod.peak_macs(kind, 20_000_000, threads) for _ in range(probes))
+    return max(mod.peak_macs(kind, 20_000_000, threads) for _ in range(PROBES))
 
 
 def probe_module() -> Any:
