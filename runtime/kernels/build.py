@@ -43,10 +43,10 @@ LDFLAGS = ["-fopenmp"]
 # fuse some call sites and not others), and without fast-math float sums are never reordered; -march=native
 # only picks instructions, not arithmetic. fastcpu: multiply-adds may fuse (FMA), for speed.
 CFLAGS = {"invariant": [*BASE_CFLAGS, "-ffp-contract=off"], "fastcpu": [*BASE_CFLAGS, "-ffp-contract=fast"]}
-# The translation units of each kernel set (headers beside them are part of every set's build key).
-SOURCES = {"invariant": ["invariant.cpp"],
-           "fastcpu": ["fastcpu.cpp", "fastcpu_attention.cpp", "fastcpu_int8.cpp", "fastcpu_bf16.cpp",
-                       "fastcpu_extend.cpp", "fastcpu_decoder.cpp"]}
+# The translation units of each kernel set, as a file pattern: the files of a source folder say what a build
+# compiles, so another revision's folder (bench_kernel_ab.py) builds its own units. Headers beside them are part of
+# every set's build key.
+SOURCES = {"invariant": "invariant.cpp", "fastcpu": "fastcpu*.cpp"}
 
 
 class KernelBuildError(RuntimeError):
@@ -96,10 +96,18 @@ def include_dirs() -> list[str]:
     return [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
 
 
+def source_files(name: str, source_dir: Path) -> list[Path]:
+    """The translation units of kernel set ``name`` in ``source_dir``."""
+    files = sorted(source_dir.glob(SOURCES[name]))
+    if not files:
+        raise KernelBuildError(f"no sources of the {name} kernels in {source_dir}")
+    return files
+
+
 def build_key(name: str, source_dir: Path) -> str:
     """The build key of kernel set ``name`` from the sources in ``source_dir`` on this host, torch and
     environment (its include folders: each environment keeps its own build)."""
-    sources = [source_dir / f for f in SOURCES[name]]
+    sources = source_files(name, source_dir)
     headers = sorted(source_dir.glob("*.h"))
     text = b"".join(p.read_bytes() for p in [*sources, *headers])
     host = " ".join(sorted(cpu_flags())) or platform.processor()
@@ -135,7 +143,7 @@ def _compile_and_load(name: str, key: str, source_dir: Path, folder: Path) -> Mo
     from torch.utils import cpp_extension
 
     headers = sorted(source_dir.glob("*.h"))
-    sources = _stage([source_dir / f for f in SOURCES[name]], headers, folder / "src")
+    sources = _stage(source_files(name, source_dir), headers, folder / "src")
     flags = CFLAGS[name]
     fresh = not any(folder.glob("*.so"))
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@
 // extend_attention (fastcpu_extend.cpp): a prefill chunk over a cached prefix, or a cascade group's rows
 //   against its shared prefix, as two small bf16 GEMMs per block of query rows; built with linear_bf16.
 //   merge_attention joins a cascade row's two parts by their log-sum-exp.
+//   pack_prefix (fastcpu_pack.cpp) packs a prefix once for the calls that read it.
 //
 // DecodeStack (fastcpu_decoder.cpp): every decoder layer of a decode batch in one call from Python, the same
 //   kernels in the same order as the layer-by-layer path.

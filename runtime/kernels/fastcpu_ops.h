@@ -51,9 +51,11 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
                                             torch::Tensor kv_index, torch::Tensor lengths, double scale,
                                             int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed,
                                             const fastcpu::FetchPlan* fetch);
+void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared);
+
+// fastcpu_pack.cpp
 std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
                                        int64_t num_kv_heads, int64_t head_dim);
-void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared);
 
 // fastcpu_decoder.cpp: binds DecodeStack into the module.
 void bind_decoder(pybind11::module& m);

@@ -98,3 +98,20 @@ def test_each_environment_keeps_its_own_build(monkeypatch: pytest.MonkeyPatch) -
     other = [d.replace("site-packages", "other-env/site-packages") for d in build.include_dirs()]
     monkeypatch.setattr(build, "include_dirs", lambda: other)
     assert build_key("fastcpu", HERE) != here
+
+
+def test_a_source_folder_names_its_own_translation_units(tmp_path: Path) -> None:
+    """A kernel set compiles the units its folder holds, so another revision's copy (bench_kernel_ab.py builds one
+    beside this checkout's) builds with its own files, whether it has fewer or more units than this one; a folder
+    without any is an error that says so, not an empty build."""
+    from runtime.kernels.build import KernelBuildError, source_files
+
+    here = {p.name for p in source_files("fastcpu", HERE)}
+    assert {"fastcpu.cpp", "fastcpu_extend.cpp", "fastcpu_pack.cpp"} <= here
+    assert "invariant.cpp" not in here
+    assert [p.name for p in source_files("invariant", HERE)] == ["invariant.cpp"]
+    for name in ("fastcpu.cpp", "fastcpu_extend.cpp", "fastcpu_vec.h", "invariant.cpp"):
+        (tmp_path / name).write_text("// a revision's copy\n")
+    assert [p.name for p in source_files("fastcpu", tmp_path)] == ["fastcpu.cpp", "fastcpu_extend.cpp"]
+    with pytest.raises(KernelBuildError, match="no sources of the fastcpu kernels"):
+        source_files("fastcpu", tmp_path / "missing")
