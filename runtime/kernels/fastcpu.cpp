@@ -25,6 +25,8 @@
 //   merge_attention joins a cascade row's two parts by their log-sum-exp.
 //   pack_prefix (fastcpu_pack.cpp) packs a prefix once for the calls that read it.
 //
+// store_kv (fastcpu_kv.cpp): new tokens' K and V rows into their pool slots, int8 pools quantised on the way.
+//
 // DecodeStack (fastcpu_decoder.cpp): every decoder layer of a decode batch in one call from Python, the same
 //   kernels in the same order as the layer-by-layer path.
 //
@@ -259,77 +261,6 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signe
                    y.data_ptr<T>(), x.size(0));
   });
   return y;
-}
-
-namespace {
-
-// One (token, KV head) row of n floats (or bf16) in the int8 KV format (radix/kv_int8.py, whose rounding this
-// repeats operation for operation, so that both writers store the same bytes): the values, then the float32 scale.
-template <typename T>
-void quantize_row(const T* x, int64_t n, int8_t* out) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(x[i]) * inv))));
-  const float scale = amax / 127.f;
-  std::memcpy(out + n, &scale, sizeof(scale));
-}
-
-template <typename T>
-void quantize_rows(const torch::Tensor& x, int8_t* pool, const int64_t* sp, int64_t heads, int64_t d) {
-  const T* src = x.data_ptr<T>();
-  const int64_t ld = x.stride(0), row = d + 4;
-  fastcpu::parallel_for(0, x.size(0), 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      for (int64_t h = 0; h < heads; ++h) quantize_row(src + i * ld + h * d, d, pool + (sp[i] * heads + h) * row);
-  });
-}
-
-}  // namespace
-
-// The K and V rows of new tokens ([T, Hkv, D] each, any row stride, contiguous heads) into pool rows ``slots``
-// of the 2-D pools of one layer: [slots, Hkv * D] in the tokens' dtype, stored as they are — one call for what
-// two index_copy_ calls through torch did (a few microseconds of dispatch each, per layer of every step) — or
-// [slots, Hkv * (D + 4)] int8, each (token, head) row quantised into the int8 KV format.
-void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
-  TORCH_CHECK(k_pool.dim() == 2 && v_pool.dim() == 2 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-              k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "pools must be contiguous [slots, Hkv * D] of one shape and dtype");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
-              "slots must be contiguous int64 [T]");
-  const bool int8 = k_pool.scalar_type() == torch::kInt8;
-  const int64_t t = slots.size(0), width = k_pool.size(1), rows = k_pool.size(0);
-  for (const torch::Tensor* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == t && x->size(1) * (x->size(2) + (int8 ? 4 : 0)) == width &&
-                x->stride(2) == 1 && x->stride(1) == x->size(2) && x->scalar_type() == k.scalar_type() &&
-                (int8 ? x->scalar_type() == torch::kFloat32 || x->scalar_type() == torch::kBFloat16
-                      : x->scalar_type() == k_pool.scalar_type()),
-                "k and v must be [T, Hkv, D] in the pool's dtype (float32 or bfloat16 for an int8 pool)");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < rows, "slot out of range");
-  if (int8) {
-    const int64_t heads = k.size(1), d = k.size(2);
-    for (const auto& [x, pool] : {std::pair{&k, &k_pool}, std::pair{&v, &v_pool}}) {
-      if (x->scalar_type() == torch::kFloat32)
-        quantize_rows<float>(*x, pool->data_ptr<int8_t>(), sp, heads, d);
-      else
-        quantize_rows<at::BFloat16>(*x, pool->data_ptr<int8_t>(), sp, heads, d);
-    }
-    return;
-  }
-  const int64_t bytes = width * k_pool.element_size();
-  char* kp = static_cast<char*>(k_pool.data_ptr());
-  char* vp = static_cast<char*>(v_pool.data_ptr());
-  const char* ks = static_cast<const char*>(k.data_ptr());
-  const char* vs = static_cast<const char*>(v.data_ptr());
-  const int64_t kld = k.stride(0) * k.element_size(), vld = v.stride(0) * v.element_size();
-  fastcpu::parallel_for(0, t, 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      std::memcpy(kp + sp[i] * bytes, ks + i * kld, bytes);
-      std::memcpy(vp + sp[i] * bytes, vs + i * vld, bytes);
-    }
-  });
 }
 
 // The index of each row's first maximum of fp32 logits [N, V], NaN counting as the largest (torch.max's answer):

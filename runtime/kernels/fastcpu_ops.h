@@ -14,7 +14,6 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n, c1
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed);
-void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 
 // fastcpu_attention.cpp
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -52,6 +51,9 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
                                             int64_t num_kv_heads, c10::optional<std::vector<torch::Tensor>> packed,
                                             const fastcpu::FetchPlan* fetch);
 void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_shared, torch::Tensor lse_shared);
+
+// fastcpu_kv.cpp
+void store_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v);
 
 // fastcpu_pack.cpp
 std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor kv_index,
