@@ -40,9 +40,19 @@ with making(folder / "radixserve.lock", "the invariant kernels"):
 """
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache root of this module's own (its first load compiles the invariant kernels there, ~25 s): other test
+    files on the other worker, and the servers they start, load the same kernels from the shared root meanwhile,
+    and one of them could take the stale lock file a test planted there before the test's own loader found it."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def folder() -> Iterator[Path]:
+def folder(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(cache))  # for build_dir here and the loaders started below
     out = build_dir("invariant", build_key("invariant", HERE))
+    assert out.is_relative_to(cache)
     out.mkdir(parents=True, exist_ok=True)
     yield out
     (out / "lock").unlink(missing_ok=True)  # never leave a lock behind for the tests after this one
