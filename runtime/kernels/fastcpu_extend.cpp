@@ -158,8 +158,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
   const int64_t s = kv_index.size(0), group = h / hkv, pairs = d / 2;
   const int64_t* lens = lengths.data_ptr<int64_t>();
   for (int64_t t = 0; t < t_count; ++t) TORCH_CHECK(lens[t] >= 1 && lens[t] <= s, "lengths must be in 1..S");
-  // keys padded to a multiple of 32: the probabilities become bf16 pairs 32 keys at a time
-  const int64_t padded = (s + 31) / 32 * 32;
+  const int64_t padded = padded_keys(s);
   const int64_t rows = t_count * group;
 #ifdef FASTCPU_AMX
   const bool on_tiles = fastcpu::amx_permitted();

@@ -147,7 +147,7 @@ std::vector<torch::Tensor> pack_prefix(torch::Tensor k_pool, torch::Tensor v_poo
   const int64_t hkv = num_kv_heads, d = head_dim;
   const PoolRows pools = check_pools(k_pool, v_pool, kv_index, hkv, d);
   kv_index = kv_index.contiguous();
-  const int64_t s = kv_index.size(0), padded = (s + 31) / 32 * 32;
+  const int64_t s = kv_index.size(0), padded = padded_keys(s);
   auto opts = k_pool.options().dtype(torch::kBFloat16);
   torch::Tensor kp = torch::empty({hkv, padded, d}, opts), vp = torch::empty({hkv, padded, d}, opts);
   pack_heads(pools, hkv, d, kv_index.data_ptr<int64_t>(), s, padded,

@@ -18,6 +18,10 @@ namespace fastcpu::extend {
 constexpr int64_t kKeys = 16;  // keys per K tile: one vector of fp32 scores
 constexpr int64_t kMaxDim = 128;
 
+// Keys of a pack of S keys (the `padded` above): S rounded up to 32, because the softmax writes its probabilities as
+// bf16 pairs 32 keys at a time. extend_attention checks a kept pack against it, so the two sides share this one rule.
+inline int64_t padded_keys(int64_t s) { return (s + 31) / 32 * 32; }
+
 // One layer's K and V pools as the packing reads them: rows of bf16 values, or of the int8 format (head_dim int8
 // values, then the row's float32 scale: radix/kv_int8.py), converted to bf16 as they are packed.
 struct PoolRows {
