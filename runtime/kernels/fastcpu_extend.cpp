@@ -322,11 +322,11 @@ void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_share
         const float w = 1.0f / (1.0f + std::exp(lp[r * lse.stride(0) + head * lse.stride(1)] - lsp[item]));
         T* row = o + r * out.stride(0) + head * out.stride(1);
         const float* shared = osp + item * d;
-        if (vec) {
-          const v16 wv = splat(w), rest = splat(1.0f - w);
+        if (vec) {  // fastcpu's names spelled out: this runs on every CPU, outside the BF16 section's using
+          const fastcpu::v16 wv = fastcpu::splat(w), rest = fastcpu::splat(1.0f - w);
           for (int64_t c = 0; c < d; c += 16) {
-            const v16 a = load(row + c), sh = load(shared + c), diff = sh - a;
-            store(row + c, w < 0.5f ? a + wv * diff : sh - diff * rest);
+            const fastcpu::v16 a = fastcpu::load(row + c), sh = fastcpu::load(shared + c), diff = sh - a;
+            fastcpu::store(row + c, w < 0.5f ? a + wv * diff : sh - diff * rest);
           }
           continue;
         }
