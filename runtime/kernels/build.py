@@ -16,12 +16,14 @@ Needs a C++ compiler (``c++``/``g++``) and ninja; without them a :class:`KernelB
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import sysconfig
 import time
 from pathlib import Path
@@ -184,6 +186,44 @@ def build_all() -> None:
             logger.warning("%s", exc)
 
 
-if __name__ == "__main__":
+def target_errors(name: str, march: str, source_dir: Path = HERE) -> list[str]:
+    """The compiler's errors for kernel set ``name`` built for ``-march=<march>`` instead of this host (syntax and
+    templates only: no code is generated), with the build's own flags; empty when it compiles. Builds target
+    ``-march=native``, so a host with AVX512_BF16 never compiles the code an AVX2 host gets, where every ``#ifdef``
+    on AVX-512, VNNI, BF16 and AMX is off: a name used outside the section that declares it broke the whole
+    fastcpu set on such hosts once, unseen for days. CI checks the sources for an AVX2 target this way."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        raise KernelBuildError("checking the kernels for another CPU needs a C++ compiler (c++/g++ on PATH)")
+    flags = [f for f in CFLAGS[name] if not f.startswith("-march=")]
+    command = [compiler, *flags, f"-march={march}", "-fsyntax-only", f"-DTORCH_EXTENSION_NAME={name}_check",
+               *(f"-I{d}" for d in include_dirs()), *map(str, source_files(name, source_dir))]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return []
+    return [line for line in done.stderr.splitlines() if ": error:" in line] or [done.stderr[-3000:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Build every CPU kernel set for this host (set-up time), or check "
+                                     "that their sources compile for another CPU.")
+    parser.add_argument("--check-march", metavar="TARGET", help="instead of building, compile every set's sources "
+                        "for gcc's -march=TARGET (e.g. x86-64-v3: AVX2 without AVX-512) without generating code, "
+                        "and exit 1 with the errors if one does not compile")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    build_all()
+    if args.check_march is None:
+        build_all()
+        return
+    failed = False
+    for name in SOURCES:
+        errors = target_errors(name, args.check_march)
+        logger.info("the %s kernels for -march=%s: %s", name, args.check_march, "compile" if not errors else "FAIL")
+        for line in errors[:40]:
+            logger.error("%s", line)
+        failed = failed or bool(errors)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
