@@ -43,17 +43,51 @@ using namespace fastcpu;
 constexpr int64_t kPanel = 64;  // output columns per packed panel: 4 vectors of 16
 constexpr int64_t kPrefetchRows = 8;  // how far ahead (in k rows of a panel) the weights are fetched
 
-// A tile of MR activation rows x NV vectors (16 columns each) of one panel, starting at column c0 of the
-// panel: acc[r][v] = sum_k x[r, k] * P[k, c0 + 16 v .. + 15]. The panel is stored k-major ([K, 64]), so the
-// loop streams it and keeps one output column per vector lane (no horizontal sums). MR and NV are template
-// constants so the accumulators stay in registers: up to 4 rows take the whole panel width at once (each
-// weight loaded and converted once per row tile), 5..8 rows take half of it per pass (16 accumulators).
+// The linear kernel's vectors: 16 floats (one zmm register, 32 of them) with AVX-512, else 8 (one ymm register, 16
+// of them). A 16-float GCC vector on AVX2 is two ymm halves that GCC keeps in memory when they sit in arrays: with
+// those, an 8-row product ran at 2.7 GB/s of weights against 24 for one row (a Zen 3 host).
+#ifdef __AVX512F__
+using LinVec = v16;
+constexpr int kLanes = 16;
+inline LinVec lanes(float x) { return splat(x); }
+template <typename W>
+inline LinVec load_lanes(const W* p) { return load(p); }
+#else
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+using LinVec = v8;
+constexpr int kLanes = 8;
+inline LinVec lanes(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline LinVec load_lanes(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline LinVec load_lanes(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8 out;
+  std::memcpy(&out, &w, sizeof(out));
+  return out;
+}
+inline LinVec load_lanes(const int8_t* p) {
+  return (LinVec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// A tile of MR activation rows x NV vectors (kLanes columns each) of one panel, starting at column c0 of the
+// panel: acc[r][v] = sum_k x[r, k] * P[k, c0 + kLanes v ..]. The panel is stored k-major ([K, 64]), so the loop
+// streams it and keeps one output column per vector lane (no horizontal sums). MR and NV are template constants so
+// the accumulators stay in registers, in the shapes rows_of_panel picks for the CPU's registers (each weight is
+// loaded and converted once per pass for all the tile's rows).
 template <int MR, int NV, typename W>
 inline void tile(const float* x, int64_t ldx, int64_t k, const W* panel, int64_t c0, float* y, int64_t ldy,
                  int64_t cn, const float* scale, const float* bias, bool accumulate) {
-  v16 acc[MR][NV];
+  LinVec acc[MR][NV];
   for (int a = 0; a < MR; ++a)
-    for (int v = 0; v < NV; ++v) acc[a][v] = splat(0.f);
+    for (int v = 0; v < NV; ++v) acc[a][v] = lanes(0.f);
   for (int64_t i = 0; i < k; ++i) {
     const W* wk = panel + i * kPanel + c0;
     if (c0 == 0) {  // the first pass over the panel brings it in: ask for its rows a few k ahead
@@ -61,18 +95,18 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const W* panel, int64_t
       for (int64_t line = 0; line < static_cast<int64_t>(sizeof(W)) * kPanel; line += 64)
         _mm_prefetch(ahead + line, _MM_HINT_T0);
     }
-    v16 w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load(wk + 16 * v);
+    LinVec w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load_lanes(wk + kLanes * v);
     for (int a = 0; a < MR; ++a) {
-      const v16 xb = splat(x[a * ldx + i]);
+      const LinVec xb = lanes(x[a * ldx + i]);
       for (int v = 0; v < NV; ++v) acc[a][v] += xb * w[v];
     }
   }
-  alignas(64) float tmp[16 * NV];
+  alignas(64) float tmp[kLanes * NV];
   for (int a = 0; a < MR; ++a) {
-    for (int v = 0; v < NV; ++v) store(tmp + 16 * v, acc[a][v]);
+    std::memcpy(tmp, acc[a], sizeof(tmp));
     float* yr = y + a * ldy;
-    for (int64_t c = 0; c < std::min<int64_t>(16 * NV, cn - c0); ++c) {
+    for (int64_t c = 0; c < std::min<int64_t>(kLanes * NV, cn - c0); ++c) {
       float val = tmp[c];
       if (scale) val *= scale[c0 + c];
       if (bias) val += bias[c0 + c];
@@ -81,15 +115,24 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const W* panel, int64_t
   }
 }
 
+// The register tiles (accumulators + one pass's weight vectors + the broadcast row value, within the registers):
+// with AVX-512 up to 4 rows take the whole panel width at once (16 accumulators), 5..8 rows half of it per pass.
+// With AVX2 one row takes the whole width (its weights are FMA operands straight from memory), two rows half of it
+// per pass, and 3..6 rows a quarter (12 accumulators). A pass past the first reads the panel's other cache lines
+// from L2, where the first pass's prefetches left them. Each output's sum runs over k in the same order in every
+// tile shape.
+#ifdef __AVX512F__
+constexpr int64_t kTileRows = 8;
+#else
+constexpr int64_t kTileRows = 6;
+#endif
+
 template <int MR, typename W>
 inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cn,
                           const float* scale, const float* bias, bool accumulate) {
-  if constexpr (MR <= 4) {
-    tile<MR, 4>(x, ldx, k, panel, 0, y, ldy, cn, scale, bias, accumulate);
-  } else {
-    tile<MR, 2>(x, ldx, k, panel, 0, y, ldy, cn, scale, bias, accumulate);
-    if (cn > 32) tile<MR, 2>(x, ldx, k, panel, 32, y, ldy, cn, scale, bias, accumulate);
-  }
+  constexpr int kColumns = kLanes == 16 ? (MR <= 4 ? 64 : 32) : (MR == 1 ? 64 : MR == 2 ? 32 : 16);
+  for (int64_t c0 = 0; c0 < cn; c0 += kColumns)
+    tile<MR, kColumns / kLanes>(x, ldx, k, panel, c0, y, ldy, cn, scale, bias, accumulate);
 }
 
 template <typename W>
@@ -102,12 +145,14 @@ void linear_packed_impl(const float* x, int64_t ldx, int64_t m, int64_t k, const
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       const float* sp = scale ? scale + c0 : nullptr;
       const float* bp = bias ? bias + c0 : nullptr;
-      for (int64_t r0 = 0; r0 < m; r0 += 8) {
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const float* xr = x + r0 * ldx;
         float* yr = y + r0 * ldy + c0;
-        switch (std::min<int64_t>(8, m - r0)) {
+        switch (std::min<int64_t>(kTileRows, m - r0)) {
+#ifdef __AVX512F__
           case 8: rows_of_panel<8>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
           case 7: rows_of_panel<7>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+#endif
           case 6: rows_of_panel<6>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
           case 5: rows_of_panel<5>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
           case 4: rows_of_panel<4>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
