@@ -1,6 +1,7 @@
 // Decode attention over the paged KV pool read in place (see fastcpu.cpp for the module's overview).
 
 #include "fastcpu_attend.h"
+#include "fastcpu_attend_avx2.h"
 #include "fastcpu_attend_dot.h"
 #include "fastcpu_ops.h"
 
@@ -130,7 +131,8 @@ using AttendFn = void (*)(const float*, int64_t, int64_t, const KV*, const KV*, 
   CASE(1, 8) CASE(2, 8) CASE(4, 8) CASE(8, 8)
 
 // The instance for G heads of dim 16 * nv: a dot-product kernel where the pool, the queries and the CPU allow,
-// else attend_range's for the shape, else the general attend_range.
+// else the AVX2 kernel on a CPU without AVX-512 (head dims 64 and 128), else attend_range's for the shape, else the
+// general attend_range.
 template <typename KV>
 AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
 #ifdef FASTCPU_BF16_DOT
@@ -152,6 +154,10 @@ AttendFn<KV> pick_attend(int64_t heads, int64_t nv, bool bf16_queries) {
     FASTCPU_ATTEND_SHAPES(FASTCPU_ATTEND_I8)
 #undef FASTCPU_ATTEND_I8
   }
+#endif
+#ifndef __AVX512F__
+  if (nv == 4) return &attend_range_avx2<KV, 8>;
+  if (nv == 8) return &attend_range_avx2<KV, 16>;
 #endif
 #define FASTCPU_ATTEND_CASE(g, n) \
   if (heads == (g) && nv == (n)) return &attend_range<KV, g, n>;

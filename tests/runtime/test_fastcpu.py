@@ -27,10 +27,12 @@ def kv_pools(g: torch.Generator, slots: int, width: int, dtype: torch.dtype) -> 
     return (torch.randn(slots, width, generator=g).to(dtype), torch.randn(slots, width, generator=g).to(dtype))
 
 
+# SmolLM2's heads (9 over 3 KV heads of 64 dims), and 8 over 2 of 128 dims (the AVX2 kernel's two passes per row)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_reads_the_pool_in_place(k, dtype):
+def test_decode_attention_reads_the_pool_in_place(k, dtype, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, pool = 9, 3, 64, 3000
+    pool = 3000
     k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, dtype)
     lengths = torch.tensor([1, 15, 16, 17, 300, 1200])
     index = torch.zeros(len(lengths), int(lengths.max()), dtype=torch.int64)  # padding: slot 0, never read
@@ -39,8 +41,9 @@ def test_decode_attention_reads_the_pool_in_place(k, dtype):
     q = torch.randn(len(lengths), heads, dim, generator=g)
     out, lse = k.decode_attention(q, k_pool, v_pool, index, None, lengths, dim**-0.5, kv_heads)
     for b, n in enumerate(lengths.tolist()):
-        keys = k_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(3, 1).transpose(0, 1)
-        vals = v_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(3, 1).transpose(0, 1)
+        group = heads // kv_heads
+        keys = k_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(group, 1).transpose(0, 1)
+        vals = v_pool[index[b, :n]].float().view(n, kv_heads, dim).repeat_interleave(group, 1).transpose(0, 1)
         scores = (q[b][:, None] @ keys.transpose(1, 2))[:, 0] * dim**-0.5
         torch.testing.assert_close(out[b], (torch.softmax(scores, -1)[:, None] @ vals)[:, 0], rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
@@ -128,7 +131,7 @@ def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
         assert (ref_w - w).abs().max() <= w.abs().amax() / 254 + 1e-6  # half a quantisation step
     else:
         torch.testing.assert_close(ref_w, w.to(getattr(torch, fmt)).float())
-    for m in (1, 3, 17):
+    for m in (1, 2, 3, 8, 17):  # every register tile shape, with AVX-512 and with AVX2
         x = torch.randn(m, kdim, generator=g)
         torch.testing.assert_close(k.linear_packed(x, pw.data, n, pw.scale, b, None), F.linear(x, ref_w, b),
                                    rtol=1e-4, atol=1e-3)
