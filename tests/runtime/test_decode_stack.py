@@ -12,6 +12,7 @@ import pytest
 from runtime.attention import paged_decode
 from runtime.config import aten_cpu_capability
 from runtime.engine import Engine
+from runtime.kernels.build import load_kernels
 from runtime.models.decode_stack import DecodeStack
 from tests.conftest import checked_engine
 
@@ -53,7 +54,10 @@ def generate(eng: Engine, prompts: list[list[int]]) -> list[tuple[list[int], lis
     "float32",
     pytest.param("bfloat16", marks=pytest.mark.skipif(
         aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
-    "int8", "int8-kv", "int8-kv, no pack kept"])
+    "int8", "int8-kv",
+    pytest.param("int8-kv, no pack kept", marks=pytest.mark.skipif(
+        not load_kernels("fastcpu").bf16_dot(), reason="prefixes are packed only where the bf16 GEMM kernel is built "
+        "(without it this case is the int8-kv one)"))])
 def test_stack_gives_the_layer_by_layer_result_bit_for_bit(fmt, monkeypatch):
     if fmt.endswith("no pack kept"):  # no room for packs: each call packs a group's prefix from the int8 pool itself
         monkeypatch.setattr(paged_decode, "PACKED_PREFIX_BYTES", 0)
@@ -95,7 +99,9 @@ def test_stack_is_not_built_where_layers_must_run_one_by_one(tiny_engine):
 @pytest.mark.parametrize("fmt", [
     pytest.param("bfloat16", marks=pytest.mark.skipif(
         aten_cpu_capability() != "AVX512", reason="bfloat16 on the CPU needs torch's AVX-512 kernels")),
-    "int8+kv8"])
+    pytest.param("int8+kv8", marks=pytest.mark.skipif(
+        not load_kernels("fastcpu").bf16_dot(), reason="a mixed step runs in the stack only where the bf16 GEMM "
+        "kernel is built (without it the decode steps are the first test's)"))])
 def test_a_question_admitted_beside_its_blocks_decode_rows_runs_in_the_stack_bit_for_bit(fmt):
     """A server admits few-shot questions one per step as they arrive, beside the decode rows of those before them,
     all under one cached block: with a prefill budget of 16 tokens each question below gets a step of its own. Where
