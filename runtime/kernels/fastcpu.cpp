@@ -54,27 +54,11 @@ template <typename W>
 inline LinVec load_lanes(const W* p) { return load(p); }
 #else
 typedef float v8 __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
 using LinVec = v8;
 constexpr int kLanes = 8;
-inline LinVec lanes(float x) { return v8{x, x, x, x, x, x, x, x}; }
-inline LinVec load_lanes(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline LinVec load_lanes(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
-  v8h h;
-  std::memcpy(&h, p, sizeof(h));
-  const v8u w = __builtin_convertvector(h, v8u) << 16;
-  v8 out;
-  std::memcpy(&out, &w, sizeof(out));
-  return out;
-}
-inline LinVec load_lanes(const int8_t* p) {
-  return (LinVec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
+inline LinVec lanes(float x) { return (LinVec)_mm256_set1_ps(x); }
+template <typename W>
+inline LinVec load_lanes(const W* p) { return (LinVec)load8(p); }
 #endif
 
 // A tile of MR activation rows x NV vectors (kLanes columns each) of one panel, starting at column c0 of the

@@ -18,16 +18,6 @@ namespace fastcpu::attend {
 
 #ifndef __AVX512F__
 
-// 8 values of a row widened to fp32 (bf16 exactly, by a 16-bit shift).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // Transposed horizontal sums: lane t of the result is the sum of the lanes of x[t].
 inline __m256 hsum8(const __m256 (&x)[8]) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));  // per 128-bit half

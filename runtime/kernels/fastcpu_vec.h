@@ -83,6 +83,17 @@ inline v16 load(const int8_t* p) {
 #endif
 }
 
+// 8 values widened to fp32 in one AVX2 register (bf16 exactly, by a 16-bit shift): the loads of the kernels for CPUs
+// without AVX-512, whose 16-float vectors are two registers (fastcpu_attend_avx2.h, linear_packed's tiles).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline void store(at::BFloat16* p, v16 v) {  // round to nearest even, as torch's float -> bfloat16 cast
