@@ -158,7 +158,7 @@ def main() -> None:
     fast = load_kernels("fastcpu")
     linears: dict[str, dict[str, Any]] = {}
     g = torch.Generator().manual_seed(0)
-    for fmt, available in (("int8", fast.int8_vnni()), ("bfloat16", fast.bf16_dot())):
+    for fmt, available in (("int8", fast.int8_dot()), ("bfloat16", fast.bf16_dot())):
         if not available:
             continue
         top = roof[KINDS[fmt]][f"{args.threads} thread(s)"]

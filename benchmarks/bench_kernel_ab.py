@@ -228,7 +228,7 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
             out[f"bf16 linear layers, {rows} row(s)"] = linear_case("bfloat16", rows, g)
     for rows in (1, 8):  # the portable kernel (fp32 weights k-major): an AVX2 host's default format
         out[f"fp32 linear layers, {rows} row(s)"] = linear_case("float32", rows, g)
-    if k_this.int8_vnni():
+    if k_this.int8_dot():
         for rows in (1, 8, 169):  # 169: a few-shot step's prefill rows, where the products are compute-bound
             out[f"int8 linear layers, {rows} row(s)"] = linear_case("int8", rows, g)
     if k_this.bf16_dot():

@@ -15,7 +15,7 @@
 //   is prefetched a few k rows ahead (the hardware's prefetchers alone left 1.3-1.7x on the table at 8 rows).
 //
 // linear_int8 (fastcpu_int8.cpp): int8 weights times activations quantised per row block, with AVX512-VNNI
-//   integer dot products; built only for CPUs that have them (int8_vnni()).
+//   integer dot products (AVX512-VNNI, or AVX2 on CPUs without it; int8_dot()).
 //
 // linear_bf16 (fastcpu_bf16.cpp): bf16 weights times bf16 activations with AVX512_BF16 dot products (two k
 //   values per instruction and lane, no widening of the weights); built only for CPUs that have them.
@@ -356,8 +356,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rotary", &rotary, "rotary position embedding");
   m.def("linear_packed", &linear_packed, "x @ W.T (* scale) (+ bias) (+= out) over a packed weight");
-  m.def("linear_int8", &linear_int8, "x @ W.T over VNNI-packed int8 weights, x quantised per row block");
-  m.def("int8_vnni", &int8_vnni, "whether linear_int8 was built (the CPU has AVX512-VNNI)");
+  m.def("linear_int8", &linear_int8, "x @ W.T over int8 weights in the vnni layout, x quantised per row block");
+  m.def("int8_vnni", &int8_vnni, "whether the int8 KV pool's attention uses VNNI dot products (AVX512-VNNI)");
+  m.def("int8_dot", &int8_dot, "whether linear_int8 was built (AVX512-VNNI, or AVX2 on CPUs without it)");
   m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
   // the overload without a fetch plan (the one with one is the decode stack's)
   using ExtendAttention = std::vector<torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,

@@ -31,7 +31,8 @@ namespace fastcpu {
 // linear_int8 splits its work by whole panels up to this many rows, past it by (panel, rows) items.
 constexpr int64_t kInt8ChunkRows = 48;
 }  // namespace fastcpu
-bool int8_vnni();
+bool int8_vnni();  // the int8 KV pool's attention dot products (AVX512-VNNI)
+bool int8_dot();   // linear_int8 (AVX512-VNNI or AVX2)
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);
 

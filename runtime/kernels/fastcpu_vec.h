@@ -269,7 +269,6 @@ inline void store_bf16_products(at::BFloat16* r, v16 y, bool add, int64_t count)
   for (int64_t i = 0; i < count; ++i) r[i] = at::BFloat16(add ? static_cast<float>(r[i]) + y[i] : y[i]);
 }
 
-#ifdef __AVX512F__
 // Where a linear kernel's tile stores its fp32 products (LinearOutput::dest()): fp32 rows y, overwritten or, with
 // `accumulate`, added to; or bf16 rows yb, stored into as store_bf16_products does (y is null then).
 struct ProductDest {
@@ -284,6 +283,7 @@ struct ProductDest {
   ProductDest at(int64_t row, int64_t col) const {
     return {y ? y + row * ldy + col : nullptr, ldy, accumulate, yb ? yb + row * ldb + col : nullptr, ldb, add};
   }
+#ifdef __AVX512F__
   // Row `row`'s 16 products from column `col` (its first `count`, the lanes of `mask`).
   void store(int64_t row, int64_t col, __m512 val, __mmask16 mask, int64_t count) const {
     if (yb != nullptr) {
@@ -294,8 +294,23 @@ struct ProductDest {
     if (accumulate) val = _mm512_add_ps(val, _mm512_maskz_loadu_ps(mask, p));
     _mm512_mask_storeu_ps(p, mask, val);
   }
-};
 #endif
+  // Row `row`'s 8 products from column `col` (its first `count`), stored as store() stores 16.
+  void store8(int64_t row, int64_t col, __m256 val, int64_t count) const {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, val);
+    if (yb != nullptr) {
+      at::BFloat16* r = yb + row * ldb + col;
+      for (int64_t i = 0; i < count; ++i) {
+        const float rounded = static_cast<float>(at::BFloat16(v[i]));
+        r[i] = at::BFloat16(add ? static_cast<float>(r[i]) + rounded : rounded);
+      }
+      return;
+    }
+    float* p = y + row * ldy + col;
+    for (int64_t i = 0; i < count; ++i) p[i] = accumulate ? p[i] + v[i] : v[i];
+  }
+};
 
 // Where a linear kernel's fp32 products go and what its caller gets back. Without ``out``: a new [m, n] in x's
 // dtype. With ``out`` (a residual): the products are added to it in place — a float32 ``out`` takes them
@@ -328,7 +343,6 @@ class LinearOutput {
   int64_t ld() const { return acc_.defined() ? acc_.stride(0) : n_; }
   // Whether the kernel adds its products into data() (else it overwrites them).
   bool accumulate() const { return accumulate_; }
-#ifdef __AVX512F__
   // For a kernel whose tiles store their products themselves: a bf16 result directly (no staging buffer), an
   // fp32 one as data().
   ProductDest dest() {
@@ -336,7 +350,6 @@ class LinearOutput {
       return {nullptr, 0, false, result_.data_ptr<at::BFloat16>(), result_.stride(0), add_into_};
     return {data(), ld(), accumulate_, nullptr, 0, false};
   }
-#endif
 
   // The result, once the kernel has written data() or dest().
   torch::Tensor finish() {

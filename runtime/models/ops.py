@@ -137,20 +137,21 @@ BF16_AMX_SMALL_M = 128
 # +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
 # (weight-only int8: +0.6% / 61%). Blocks of 32 cost ~1% more time than whole rows at 1 row, ~8% at 8.
 INT8_ACT_BLOCK = 32
-INT8_KERNELS = ("vnni", "float")
+INT8_KERNELS = ("dot", "float")
 
 
 class PackedCpuOps(TorchOps):
     """Linear layers of decode-sized batches through the fastcpu kernels over weights repacked once at load
     time (``packed.py``) in ``weight_format``: float32, bfloat16 or int8.
 
-    int8 runs ``linear_int8`` (activations quantised per row block, integer dot products) where the kernels
-    were built for AVX512-VNNI, at every batch size; elsewhere (or with ``int8_kernel="float"``) weight-only
-    int8 through ``linear_packed``, which converts each weight to fp32. bfloat16 runs ``linear_bf16`` (bf16 dot
-    products, two k values per instruction) where the kernels were built for AVX512_BF16, else ``linear_packed``
-    (each weight widened to fp32); above ``small_m`` rows oneDNN's GEMMs run. The packed copies are keyed by the
-    identity of the model's weight parameters, so the model code stays the same for every format. With int8
-    the model's own copy of each packed weight is released after packing (only the int8 panels stay in memory).
+    int8 runs ``linear_int8`` (activations quantised per row block, integer dot products: AVX512-VNNI, or AVX2
+    where the CPU lacks it) at every batch size; with ``int8_kernel="float"`` (or kernels built for a CPU with
+    neither) weight-only int8 through ``linear_packed``, which converts each weight to fp32. bfloat16 runs
+    ``linear_bf16`` (bf16 dot products, two k values per instruction) where the kernels were built for
+    AVX512_BF16, else ``linear_packed`` (each weight widened to fp32); above ``small_m`` rows oneDNN's GEMMs run.
+    The packed copies are keyed by the identity of the model's weight parameters, so the model code stays the
+    same for every format. With int8 the model's own copy of each packed weight is released after packing (only
+    the int8 panels stay in memory).
     """
 
     name = "packed"
@@ -163,11 +164,11 @@ class PackedCpuOps(TorchOps):
         self.weight_format = weight_format
         self.small_m = SMALL_M[weight_format]
         if int8_kernel is None:
-            int8_kernel = "vnni" if self.k.int8_vnni() else "float"
-        if int8_kernel not in INT8_KERNELS or (int8_kernel == "vnni" and not self.k.int8_vnni()):
+            int8_kernel = "dot" if self.k.int8_dot() else "float"
+        if int8_kernel not in INT8_KERNELS or (int8_kernel == "dot" and not self.k.int8_dot()):
             raise ValueError(f"int8 kernel {int8_kernel!r} is not available here (choose from {INT8_KERNELS}; "
-                             "vnni needs a CPU with AVX512-VNNI)")
-        self.vnni = weight_format == "int8" and int8_kernel == "vnni"
+                             "dot needs a CPU with AVX2 or AVX512-VNNI)")
+        self.int8_dot = weight_format == "int8" and int8_kernel == "dot"
         self.bf16_dot = weight_format == "bfloat16" and self.k.bf16_dot()
         if self.bf16_dot and self.k.amx_tiles():
             self.small_m = BF16_AMX_SMALL_M
@@ -188,7 +189,7 @@ class PackedCpuOps(TorchOps):
         """Pack each ``[N, K]`` weight; ``release(w)`` says whether to free the model's own copy (the panels stand
         for it). Every decode step streams the panels: they go onto huge pages where the kernel has them
         (hugepages.py)."""
-        layout = "vnni" if self.vnni else "bf16pair" if self.bf16_dot else "kmajor"
+        layout = "vnni" if self.int8_dot else "bf16pair" if self.bf16_dot else "kmajor"
         arena = weight_arena()
         for w in weights:
             pw = pack_weight(w.detach(), self.weight_format, layout)
@@ -204,7 +205,7 @@ class PackedCpuOps(TorchOps):
 
     def runs_packed(self, rows: int) -> bool:
         """Whether a linear layer over ``rows`` activation rows runs the packed kernel (not a library GEMM)."""
-        return self.vnni or rows <= self.small_m
+        return self.int8_dot or rows <= self.small_m
 
     def packed_linear(self, weight: torch.Tensor) -> Any:
         """``weight``'s ``fastcpu.PackedLinear`` (its packed copy and the kernel for its layout), as the native

@@ -5,10 +5,11 @@ k-major, ``[ceil(N/64), K, 64]`` (rows past N are zero), so the kernel streams e
 output column per vector lane. Formats: float32 and bfloat16 (a cast), and int8: symmetric weight-only
 quantization with one fp32 scale per output row (``scale = max|W[n]| / 127``, ``q = round(W / scale)``).
 
-Layout ``"vnni"`` (``linear_int8``, int8 on CPUs with AVX512-VNNI): the same int8 values and scales, stored
+Layout ``"vnni"`` (``linear_int8``, int8 on CPUs with AVX512-VNNI or AVX2): the same int8 values and scales, stored
 as uint8 ``q + 128`` in ``[ceil(N/64), ceil(K/4), 256]``: per panel and group of 4 consecutive k, the 64
 columns' 4 values side by side, so one 64-byte vector is 16 columns x 4 k, the operand of ``vpdpbusd``
-(unsigned x signed bytes; the +128 is undone per activation row in the kernel). Padding holds 128 (weight 0).
+(unsigned x signed bytes; the +128 is undone per activation row in the kernel). The AVX2 kernel reads the same
+layout 32 bytes (8 columns x 4 k) at a time. Padding holds 128 (weight 0).
 
 Layout ``"bf16pair"`` (``linear_bf16``, bfloat16 on CPUs with AVX512_BF16): ``[ceil(N/64), ceil(K/2), 128]``
 bfloat16: per panel and pair of consecutive k, the 64 columns' two values side by side, so one 64-byte vector

@@ -178,25 +178,25 @@ def quantised_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
 
 
 def int8_kernels() -> list[str]:
-    """The int8 kernels this host runs: the VNNI one only where the kernels were built for it."""
-    return ["vnni", "float"] if load_kernels("fastcpu").int8_vnni() else ["float"]
+    """The int8 kernels this host runs: the integer dot-product one only where the kernels were built for it."""
+    return ["dot", "float"] if load_kernels("fastcpu").int8_dot() else ["float"]
 
 
-@pytest.mark.parametrize("int8_kernel", ["vnni", "float"])
+@pytest.mark.parametrize("int8_kernel", ["dot", "float"])
 def test_int8_ops_release_the_float_weights_but_keep_the_tied_embedding(int8_kernel):
     if int8_kernel not in int8_kernels():
-        pytest.skip("the kernels were built for a CPU without AVX512-VNNI")
+        pytest.skip("the kernels were built for a CPU with neither AVX2 nor AVX512-VNNI")
     model = TinyModel()
     dense, embed = model.layer.detach().clone(), model.embed_tokens.detach().clone()
     ops = PackedCpuOps("int8", int8_kernel=int8_kernel)
     ops.prepare(model)
-    assert ops.packed[id(model.layer)].layout == ("vnni" if int8_kernel == "vnni" else "kmajor")
+    assert ops.packed[id(model.layer)].layout == ("vnni" if int8_kernel == "dot" else "kmajor")
     assert model.layer.numel() == 0, "the int8 panels replace the float weight"
     assert torch.equal(model.embed_tokens, embed), "the embedding table is still read by lookups"
     # what the int8 weight stands for: within half a quantisation step of the float weight
     int8_w, int8_embed = dequantize(ops.packed[id(model.layer)]), dequantize(ops.packed[id(model.embed_tokens)])
     assert (int8_w - dense).abs().max() <= dense.abs().amax() / 254 + 1e-6
-    # the float kernel multiplies the activations as they are; the VNNI one their int8 rounding per block
+    # the float kernel multiplies the activations as they are; the dot-product one their int8 rounding per block
     def seen(x: torch.Tensor) -> torch.Tensor:
         q, step = quantised_activations(x, ops.act_block)
         return x if int8_kernel == "float" else q * step
@@ -214,14 +214,14 @@ def test_unavailable_int8_kernel_is_refused():
         PackedCpuOps("int8", int8_kernel="amx")
 
 
-requires_vnni = pytest.mark.skipif(not load_kernels("fastcpu").int8_vnni(),
-                                   reason="linear_int8 is built only for CPUs with AVX512-VNNI")
+requires_int8_dot = pytest.mark.skipif(not load_kernels("fastcpu").int8_dot(),
+                                       reason="linear_int8 is built only for CPUs with AVX2 or AVX512-VNNI")
 
 
-@requires_vnni
+@requires_int8_dot
 @pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (5, 3), (1536, 130)])
 @pytest.mark.parametrize("block", [0, 16, 64])
-def test_vnni_linear_equals_the_quantised_product(k, kdim, n, block):
+def test_int8_dot_linear_equals_the_quantised_product(k, kdim, n, block):
     """Every row count 1..33 (row tiles of 1..6, several tiles), odd K (k groups of 4 padded) and N
     (a partial panel), with and without bias and residual: the integer product is exact, so the result
     equals the float64 product of the quantised operands up to fp32 rounding of the block sums."""
@@ -244,7 +244,7 @@ def test_vnni_linear_equals_the_quantised_product(k, kdim, n, block):
         assert ((res.double() - expected).abs() <= 1e-5 * scale + 1e-5).all(), m
 
 
-@requires_vnni
+@requires_int8_dot
 @pytest.mark.parametrize("block", [16, 32, 64])
 def test_int8_rows_in_a_batch_are_the_bits_of_each_row_alone(k, block):
     """A row's product does not depend on the rows beside it: its bits alone (one row: the vector kernel) are its
@@ -393,8 +393,8 @@ def test_packed_ops_add_the_bias_in_the_kernel_and_past_its_rows(fmt):
         torch.testing.assert_close(residual, 1 + plain + bias, rtol=1e-5, atol=1e-5)
 
 
-@requires_vnni
-def test_vnni_activation_error_stays_within_half_a_step_of_its_block(k):
+@requires_int8_dot
+def test_int8_dot_activation_error_stays_within_half_a_step_of_its_block(k):
     """Against the unquantised activations: each value moves at most half its block's step, so an outlier
     in one block of 64 leaves the other blocks' precision alone (a per-row scale would not)."""
     g = torch.Generator().manual_seed(11)

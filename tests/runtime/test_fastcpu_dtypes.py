@@ -41,11 +41,11 @@ def linear_calls(k) -> dict[str, object]:
             pw = pack_weight(w, "bfloat16", "bf16pair")
             return k.linear_bf16(x, pw.data, pw.out_features, b, out)
         calls["bfloat16 pairs"] = bf16
-    if k.int8_vnni():
-        def vnni(x, w, b, out):
+    if k.int8_dot():
+        def int8_dot(x, w, b, out):
             pw = pack_weight(w, "int8", "vnni")
             return k.linear_int8(x, pw.data, pw.out_features, pw.scale, b, out, 32)
-        calls["int8 vnni"] = vnni
+        calls["int8 dot"] = int8_dot
     return calls
 
 
@@ -82,7 +82,7 @@ def test_linear_adds_into_a_bf16_residual_as_torch_would(k, kernel):
     torch.testing.assert_close(res32, expected32, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", [name for name in linear_calls(KERNELS) if name in ("int8 vnni", "bfloat16 pairs")])
+@pytest.mark.parametrize("kernel", [name for name in linear_calls(KERNELS) if name in ("int8 dot", "bfloat16 pairs")])
 def test_a_row_gets_the_same_bits_alone_or_among_many(k, kernel):
     """The int8 and bf16 dot-product kernels compute each row on its own: quantised (int8, in parallel over rows
     from ~56 rows of K = 576) or paired (bf16) straight from its bf16 values, and stored by its own tile, so a row's
