@@ -15,8 +15,8 @@
 // exact sum_k w_k q_k of each group. A block's sum plus 128 * sum(q) is the VNNI tiles' sum_k (w_k + 128) q_k, and
 // from there the fold and the final correction are the VNNI tiles' own steps.
 //
-// Registers: AVX2 has 16. A tile keeps MR x NV integer accumulators, NV weight vectors, the row's broadcast and its
-// magnitude; the fp32 accumulators are folded into once per block (32 k) and may live in L1.
+// Registers: AVX2 has 16. A tile keeps MR x NV integer accumulators, each row's broadcast and its magnitude, and
+// one weight vector at a time; the fp32 accumulators are folded into once per block (32 k) and may live in L1.
 #pragma once
 
 #include "fastcpu_int8.h"
@@ -26,9 +26,9 @@ namespace fastcpu::int8 {
 #if defined(FASTCPU_INT8_DOT) && !defined(FASTCPU_VNNI)
 
 constexpr int kLanes = 8;  // columns per vector
-// One row takes the whole panel (8 accumulators), two rows half of it per pass (8), 3-4 rows a quarter (8).
-constexpr int64_t kTileRows = 4;
-constexpr int tile_passes(int64_t rows) { return rows == 1 ? 1 : rows == 2 ? 2 : 4; }
+// One row takes the whole panel (8 accumulators), two rows half of it per pass (8).
+constexpr int64_t kTileRows = 2;
+constexpr int tile_passes(int64_t rows) { return rows == 1 ? 1 : 2; }
 
 // MR rows x NV vectors (8 columns each) of one panel, from column c0 of the panel.
 template <int MR, int NV, typename Fetch>
@@ -50,15 +50,19 @@ inline void tile(const QuantRows& xq, int64_t r0, int64_t groups, const uint8_t*
     for (int64_t g = b * block_groups; g < g1; ++g) {
       const uint8_t* wg = panel + g * kGroupBytes + c0 * 4;
       fetch.at(g);
-      __m256i w[NV];
-      for (int v = 0; v < NV; ++v)
-        w[v] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * v)), flip);
+      __m256i xb[MR], mag[MR];
       for (int a = 0; a < MR; ++a) {
         int32_t four;
         std::memcpy(&four, xrow[a] + 4 * g, 4);
-        const __m256i xb = _mm256_set1_epi32(four), mag = _mm256_abs_epi8(xb);
-        for (int v = 0; v < NV; ++v) {
-          const __m256i pairs = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(w[v], xb));
+        xb[a] = _mm256_set1_epi32(four);
+        mag[a] = _mm256_abs_epi8(xb[a]);
+      }
+      // one weight vector at a time, for every row: fewer registers live than all NV weights at once (GCC kept
+      // some accumulators on the stack with those)
+      for (int v = 0; v < NV; ++v) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * v)), flip);
+        for (int a = 0; a < MR; ++a) {
+          const __m256i pairs = _mm256_maddubs_epi16(mag[a], _mm256_sign_epi8(w, xb[a]));
           iacc[a][v] = _mm256_add_epi32(iacc[a][v], _mm256_madd_epi16(pairs, ones));
         }
       }
