@@ -53,7 +53,6 @@ inline LinVec lanes(float x) { return splat(x); }
 template <typename W>
 inline LinVec load_lanes(const W* p) { return load(p); }
 #else
-typedef float v8 __attribute__((vector_size(32)));
 using LinVec = v8;
 constexpr int kLanes = 8;
 inline LinVec lanes(float x) { return (LinVec)_mm256_set1_ps(x); }

@@ -48,6 +48,8 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));  // one AVX2 register
+typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
@@ -138,44 +140,50 @@ inline V hsum16(const V (&dp)[16]) {
   return merge(c[0], c[1], lo2, hi2);
 }
 
-// exp of 16 floats (Cephes' expf polynomial, ~1 ulp for |x| < 87); inputs below -87 give ~0.
+// e^x lane by lane for a GCC float vector V (VI: the int32 vector of its width): Cephes' expf polynomial, ~1 ulp
+// for |x| < 87; inputs below -87 give ~0. exp16 (16 floats) and the AVX2 attention kernel's exp8 (8 floats, one
+// register) are this one function.
 //
 // x = n ln2 + r with n the integer nearest x log2(e), so e^x = 2^n e^r with |r| <= ln2 / 2 (e^r by the polynomial).
 // With AVX-512, n comes from one vrndscaleps and 2^n is applied by one vscalefps: 13 instructions instead of 22 for
 // every score of the attention kernels' softmaxes. The rounding of n differs from the portable
 // floor(x log2(e) + 0.5) only at exact ties, so the two paths agree to the bit elsewhere.
-inline v16 exp16(v16 x) {
-  x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  x = x > splat(88.3f) ? splat(88.3f) : x;
+template <typename V, typename VI>
+inline V exp_lanes(V x) {
+  const V zero = {};
+  x = x < zero - 87.3f ? zero - 87.3f : x;
+  x = x > zero + 88.3f ? zero + 88.3f : x;
+  V t;
 #ifdef __AVX512F__
-  const __m512 n = _mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const v16 t = (v16)n;
-#else
-  v16 fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  v16i ti = __builtin_convertvector(fx, v16i);  // truncates toward zero
-  v16 t = __builtin_convertvector(ti, v16);
-  v16i over = t > fx;  // truncation went up (negative fx): floor is one less
-  ti = ti + over;      // "true" lanes are -1
-  t = __builtin_convertvector(ti, v16);
+  if constexpr (std::is_same_v<V, v16>) {
+    t = (v16)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else
 #endif
-  x = x - t * splat(0.693359375f) - t * splat(-2.12194440e-4f);
-  v16 y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * x * x + x + splat(1.0f);
+  {
+    const V fx = x * 1.44269504088896341f + 0.5f;
+    VI ti = __builtin_convertvector(fx, VI);  // truncates toward zero
+    t = __builtin_convertvector(ti, V);
+    const VI over = t > fx;  // truncation went up (negative fx): floor is one less
+    t = __builtin_convertvector(ti + over, V);  // "true" lanes are -1
+  }
+  x = x - t * 0.693359375f - t * -2.12194440e-4f;
+  V y = zero + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
 #ifdef __AVX512F__
-  return (v16)_mm512_scalef_ps((__m512)y, n);
-#else
-  v16i pow2 = (ti + 127) << 23;
-  v16 scale;
+  if constexpr (std::is_same_v<V, v16>) return (v16)_mm512_scalef_ps((__m512)y, (__m512)t);
+#endif
+  const VI pow2 = (__builtin_convertvector(t, VI) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &pow2, sizeof(scale));
   return y * scale;
-#endif
 }
+
+inline v16 exp16(v16 x) { return exp_lanes<v16, v16i>(x); }
 
 #ifdef FASTCPU_BF16_DOT
 // 32 floats -> 16 words of two bf16 each (values 2i and 2i + 1: vdpbf16ps's pair operand), rounded to nearest
