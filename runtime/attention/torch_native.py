@@ -48,7 +48,7 @@ from runtime.attention.torch_native_plan import (
     TorchNativeMetadata,
     plan_batch,
 )
-from runtime.core.forward_batch import ForwardBatch
+from runtime.core.forward_batch import ForwardBatch, ForwardMode
 
 # Prefill chunks of up to this many tokens read the pool in place (paged_decode.py) instead of gathering it:
 # the gather costs the whole prefix once per layer, which a short chunk cannot amortise. Chunks of any length
@@ -114,11 +114,26 @@ class TorchNativeBackend(AttentionBackend):
         before = last[1].cascade if last is not None else None
         kept = [KeptPrefix(p.prefix_len, p.reuse_key) for p in (before.shared if before is not None else [])
                 if paged is not None and p.reuse_key is not None and paged.kept(p.reuse_key)]
-        plan_batch(batch, self._groups, kept, last[1] if last is not None and last[0] == kept else None)
+        finder = self._groups if self.groups_pay(batch) else None
+        plan_batch(batch, finder, kept, last[1] if last is not None and last[0] == kept else None)
         self._last_plan = (kept, batch.attn_metadata)
         if paged is not None:  # packed prefixes this batch does not share are dropped
             casc = batch.attn_metadata.cascade
             paged.keep_packed({p.reuse_key for p in casc.shared} if casc is not None else set())
+
+    def groups_pay(self, batch: ForwardBatch) -> bool:
+        """Whether this batch's requests that share a cached prefix are worth grouping (the policy then says which).
+
+        Not a decode batch over an int8 pool whose shared parts would go through SDPA (no bf16 GEMM kernel: CPUs
+        without AVX512_BF16): there a group's shared part needs the pool's prefix dequantised in every layer, and
+        grouped rows stay out of the native decode stack, while each row reading the prefix in place finds it in
+        cache after the first. `radixserve bench profile --server-args '--quantization int8 --kv-cache-dtype
+        int8'` on a 2-core Zen 3 host, alternated: the batch-8 few-shot decode step took 59-70 ms grouped, 40 ms
+        not. Its mixed steps, whose prompts attend the shared block together, keep their groups (500-550 ms
+        grouped, 560-650 not)."""
+        paged = self.paged
+        return (paged is None or batch.mode is not ForwardMode.DECODE or not batch.kv.shape.int8
+                or paged.gemm_shared(batch.kv.shape.dtype))
 
     def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
         """For a planned batch whose rows read the pool in place and whose new K/V rows the store kernel takes: decode

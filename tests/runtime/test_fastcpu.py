@@ -459,12 +459,29 @@ def test_in_place_decode_equals_the_gather_path_inside_the_backend(lens, shared,
     for backend in (fast, gather):
         batch, q, k_new, v_new = decode_batch(shape, lens, shared, seed=3, extend=extend, int8_kv=int8_kv)
         backend.plan(batch)
-        assert (batch.attn_metadata.cascade is not None) == (shared > 0)
+        assert (batch.attn_metadata.cascade is not None) == (shared > 0 and backend.groups_pay(batch))
         outs.append(backend.forward(q, k_new, v_new, 0, batch))
     # Over an int8 pool a VNNI host's decode kernel multiplies in int16, its queries and weights rounded to 2^-16
     # of their largest (test_kv_int8.py holds it to that rounding exactly): up to ~5e-5 here.
     tol = 1e-4 if int8_kv and load_kernels("fastcpu").int8_vnni() else 1e-5
     torch.testing.assert_close(outs[0], outs[1], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("int8_kv", [False, True])
+def test_decode_groups_over_an_int8_pool_only_where_the_gemm_kernel_attends_them(int8_kv):
+    """Decode rows under a shared prefix of an int8 pool form no cascade group where the shared part would go through
+    SDPA (no bf16 GEMM kernel): they read the pool in place. An fp32 pool's decode rows group, and so do prefill
+    chunks over either pool; the gather path (no in-place kernel) groups whatever shares."""
+    shape = AttentionShape(9, 3, 64)
+    fast, gather = TorchNativeBackend(shape), TorchNativeBackend(shape, in_place_decode=False)
+    assert fast.paged is not None
+    decode, *_ = decode_batch(shape, [400, 420, 450, 500], 380, seed=3, int8_kv=int8_kv)
+    chunks, *_ = decode_batch(shape, [400, 420, 450, 500], 380, seed=3, extend=12, int8_kv=int8_kv)
+    gemm = fast.paged.gemm_shared(decode.kv.shape.dtype)
+    assert fast.groups_pay(decode) == (not int8_kv or gemm)
+    assert fast.groups_pay(chunks) and gather.groups_pay(decode)
+    fast.plan(decode)
+    assert (decode.attn_metadata.cascade is not None) == (not int8_kv or gemm)
 
 
 def test_dtype_auto_and_quantization_flags():
