@@ -3,17 +3,21 @@
 The weight-streaming floor (``runtime/bench/floor.py``) bounds a step that is bound by memory. A step with many
 rows (a prefill, a mixed step, a batch-8 decode step on two cores) is bound by arithmetic instead, and its floor
 is its multiply-adds over the rate the instructions can retire. This compiles a loop of 16 independent
-accumulators per instruction, runs it on 1 and on ``--threads`` threads (the best of ``PROBES`` short probes
-each), and reports multiply-adds per second:
+accumulators per instruction (8-12 with AVX2's 16 registers), runs it on 1 and on ``--threads`` threads (the best
+of ``PROBES`` short probes each), and reports multiply-adds per second:
 
 - ``vpdpbusd`` (AVX512-VNNI, 64 int8 multiply-adds per instruction): the int8 linear kernel's;
+- ``vpmaddubsw`` (AVX2: vpsignb + vpmaddubsw + vpmaddwd + vpaddd, 32 int8 multiply-adds per four instructions):
+  the int8 linear kernel's on CPUs without VNNI;
 - ``vdpbf16ps`` (AVX512_BF16, 32 bf16 multiply-adds summed in fp32): the bf16 linear and attention kernels';
-- ``vfmadd231ps`` (16 fp32 multiply-adds): the float32 kernels'.
+- ``vfmadd231ps`` (16 fp32 multiply-adds), or ``vfmadd231ps ymm`` (8, AVX2): the float32 kernels'.
 
-Then the model's linear layers (SmolLM2-135M's four shapes, 4 layers' worth) through ``PackedLinear`` at several
-row counts, in int8 and bf16, as multiply-adds per second and as a share of that format's roof; and int8 at the
-largest row count with coarser activation blocks than the runtime's 32, which shows what the per-block rescaling
-of the integer sums costs (a coarser block changes the numerics: it is a measurement, not an option).
+A format's roof is its first instruction this CPU has. Then the model's linear layers (SmolLM2-135M's four shapes,
+4 layers' worth) through ``PackedLinear`` at several row counts, in int8 (integer dot products), weight-only int8
+(each weight widened to fp32, the path without them), bf16 and float32, as multiply-adds per second and as a share
+of that format's roof; and int8 at the largest row count with coarser activation blocks than the runtime's 32,
+which shows what the per-block rescaling of the integer sums costs (a coarser block changes the numerics: it is a
+measurement, not an option).
 
     python benchmarks/bench_compute_peak.py [--threads 2] [--rows 1 8 16 64 169] [--act-blocks 64 128 0]
         [--json out.json]
@@ -40,8 +44,10 @@ SOURCE = r"""
 #include <vector>
 
 #define ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+#define ALL12(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+#define ALL8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
 
-// Multiply-adds per second of one thread running `iters` rounds of 16 independent instructions.
+// Multiply-adds per second of one thread running `iters` rounds of 8-16 independent instructions.
 static double one_thread(const std::string& kind, int64_t iters) {
   const auto t0 = std::chrono::steady_clock::now();
   double macs = 0;
@@ -76,6 +82,39 @@ static double one_thread(const std::string& kind, int64_t iters) {
     macs = 16.0 * 32 * iters;
   }
 #endif
+#if defined(__AVX2__)
+  // AVX2 has 16 registers: fewer accumulators, so that none lives in memory (16 of them made the fp32 probe half
+  // as fast as the kernels). Each step's signed operand is its own accumulator's bytes, so no part of it is the same
+  // every iteration (a constant one was hoisted out of the loop, leaving only the adds).
+  if (kind == "vpmaddubsw") {  // linear_int8's AVX2 step: the sign onto the weight, pairs, int32, accumulate
+    const __m256i x = _mm256_set1_epi32(0x02020202);
+    const __m256i mag = _mm256_abs_epi8(x), ones = _mm256_set1_epi16(1);
+#define INIT(i) __m256i a##i = _mm256_set1_epi32(i);
+#define STEP(i) \
+  a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(a##i, x)), ones));
+#define SUM(i) sink += _mm256_extract_epi32(a##i, 0);
+    ALL8(INIT)
+    for (int64_t n = 0; n < iters; ++n) { ALL8(STEP) }
+    ALL8(SUM)
+#undef INIT
+#undef STEP
+#undef SUM
+    macs = 8.0 * 32 * iters;
+  }
+  if (kind == "vfmadd231ps ymm") {
+    const __m256 w = _mm256_set1_ps(1.0f), x = _mm256_set1_ps(1e-9f);
+#define INIT(i) __m256 a##i = _mm256_set1_ps(i);
+#define STEP(i) a##i = _mm256_fmadd_ps(w, x, a##i);
+#define SUM(i) sink += _mm256_cvtss_f32(a##i);
+    ALL12(INIT)
+    for (int64_t n = 0; n < iters; ++n) { ALL12(STEP) }
+    ALL12(SUM)
+#undef INIT
+#undef STEP
+#undef SUM
+    macs = 12.0 * 8 * iters;
+  }
+#endif
 #if defined(__AVX512F__)
   if (kind == "vfmadd231ps") {
     const __m512 w = _mm512_set1_ps(1.0f), x = _mm512_set1_ps(1e-9f);
@@ -108,7 +147,8 @@ double peak_macs(const std::string& kind, int64_t iters, int64_t threads) {
 }
 """
 
-KINDS = {"int8": "vpdpbusd", "bfloat16": "vdpbf16ps", "float32": "vfmadd231ps"}
+# Per format, the instructions of its kernels in order of preference (a CPU's roof is the first it has).
+KINDS = {"int8": ("vpdpbusd", "vpmaddubsw"), "bfloat16": ("vdpbf16ps",), "float32": ("vfmadd231ps", "vfmadd231ps ymm")}
 PROBES = 7
 
 
@@ -126,10 +166,11 @@ def probe_module() -> Any:
                        extra_cflags=["-O2", "-march=native"], verbose=False)
 
 
-def linear_rate(fmt: str, rows: int, g: torch.Generator, act_block: int = 32) -> float:
+def linear_rate(fmt: str, rows: int, g: torch.Generator, act_block: int = 32, layout: str | None = None) -> float:
     """Multiply-adds per second of 4 layers' linear layers through PackedLinear at ``rows`` rows (median of 7);
-    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
-    run = linear_case(fmt, rows, g, layers=4, act_block=act_block)
+    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row); ``layout``: the packed
+    layout (None: the format's own kernel's)."""
+    run = linear_case(fmt, rows, g, layers=4, act_block=act_block, layout=layout)
     k = load_kernels("fastcpu")
     run(k)
     times = []
@@ -152,25 +193,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     mod = probe_module()
     roof: dict[str, dict[str, float]] = {}
-    for kind in KINDS.values():
+    for kind in (kind for kinds in KINDS.values() for kind in kinds):
         rates = {f"{n} thread(s)": roof_macs(mod, kind, n) / 1e9 for n in sorted({1, args.threads})}
-        roof[kind] = {k: round(v, 1) for k, v in rates.items()}
+        if any(rates.values()):  # 0: this CPU lacks the instruction
+            roof[kind] = {k: round(v, 1) for k, v in rates.items()}
+    # the roof each format's kernels run against: its first instruction this CPU has (fp32's for weight-only int8)
+    tops = {fmt: next((roof[k][f"{args.threads} thread(s)"] for k in kinds if k in roof), 0.0)
+            for fmt, kinds in KINDS.items()}
     fast = load_kernels("fastcpu")
     linears: dict[str, dict[str, Any]] = {}
     g = torch.Generator().manual_seed(0)
-    for fmt, available in (("int8", fast.int8_dot()), ("bfloat16", fast.bf16_dot())):
+    cases = (("int8", None, "int8", fast.int8_dot()), ("int8 weight-only", "kmajor", "float32", True),
+             ("bfloat16", None, "bfloat16", fast.bf16_dot()), ("float32", None, "float32", True))
+    for name, layout, roof_of, available in cases:
         if not available:
             continue
-        top = roof[KINDS[fmt]][f"{args.threads} thread(s)"]
+        fmt, top = name.split()[0], tops[roof_of]
         for rows in args.rows:
-            rate = linear_rate(fmt, rows, g) / 1e9
-            linears[f"{fmt}, {rows} row(s)"] = {"g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3)}
-        if fmt == "int8":
+            rate = linear_rate(fmt, rows, g, layout=layout) / 1e9
+            linears[f"{name}, {rows} row(s)"] = {"g_mac_s": round(rate, 1),
+                                                  "share_of_roof": round(rate / top, 3) if top else None}
+        if name == "int8":
             rows = max(args.rows)
             for block in args.act_blocks:
                 rate = linear_rate(fmt, rows, g, block) / 1e9
                 linears[f"int8, {rows} row(s), activation block {block or 'whole row'}"] = {
-                    "g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3)}
+                    "g_mac_s": round(rate, 1), "share_of_roof": round(rate / top, 3) if top else None}
     emit({"cpu": cpu_simd(), "threads": args.threads, "roof_g_mac_s": roof, "linears": linears}, args.json)
 
 

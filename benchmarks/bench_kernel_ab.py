@@ -127,10 +127,12 @@ def merge_case(rows: int, g: torch.Generator) -> Case:
     return run
 
 
-def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, act_block: int = 32) -> Case:
+def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, act_block: int = 32,
+                layout: str | None = None) -> Case:
     """``layers`` decoder layers' linear layers at ``rows`` rows, run by the kernel module it is given;
-    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row)."""
-    layout = {"int8": "vnni", "bfloat16": "bf16pair", "float32": "kmajor"}[fmt]
+    ``act_block``: int8's activation block (the runtime's is 32; 0: one scale per row); ``layout``: the packed
+    layout, which picks the kernel (None: the format's dot-product one; "kmajor": weights widened to fp32)."""
+    layout = layout or {"int8": "vnni", "bfloat16": "bf16pair", "float32": "kmajor"}[fmt]
     weights = [pack_weight(torch.randn(n, k, generator=g) * 0.05, fmt, layout)
                for _ in range(layers) for n, k in LINEAR_SHAPES]
     # an fp32 model's activations are fp32 (the portable kernel, every host's --dtype float32); the others' bf16
