@@ -115,9 +115,10 @@ class InvariantOps:
 
 # Rows up to which the packed kernel beats the GEMM libraries, per format (all linear layers of SmolLM2-135M in
 # sequence, 2 threads, AVX-512 + AMX host; docs/benchmarks.md): fp32 vs MKL even at 16 rows; bf16 vs oneDNN,
-# whose AMX kernels win from 4 rows; int8 (without VNNI) vs MKL over a dequantised copy. Above it the library
-# runs, over the unpacked weight (int8: over a dequantised copy made per call). int8 with VNNI has no limit:
-# linear_int8 beat the dequantised GEMM at every size measured (1..512 rows; dequantising alone costs more).
+# whose AMX kernels win from 4 rows; int8 (weight-only, kernels without integer dot products) vs MKL over a
+# dequantised copy. Above it the library runs, over the unpacked weight (int8: over a dequantised copy made per
+# call). linear_int8 (VNNI or AVX2) has no limit: with VNNI it beat the dequantised GEMM at every size measured
+# (1..512 rows; dequantising alone costs more), and it keeps a row's bits independent of its batch.
 SMALL_M = {"float32": 16, "bfloat16": 3, "int8": 32}
 # bf16 with bf16 dot products (linear_bf16, CPUs with AVX512_BF16) on a CPU without AMX: oneDNN's bf16 GEMMs there
 # use the same dot products, and linear_bf16 beat them at every size measured up to 32 rows (one core of an
@@ -229,7 +230,7 @@ class PackedCpuOps(TorchOps):
             return lin.run(kernel_input(x), b, out)
         if self.weight_format != "int8":
             return None
-        # int8 without VNNI, large batch: a GEMM over the dequantised weight
+        # weight-only int8 (no integer dot products), large batch: a GEMM over the dequantised weight
         y = F.linear(x.float(), dequantize(self.packed[id(weight)]), b)
         return y if out is None else out.add_(y.to(out.dtype))
 
