@@ -43,9 +43,21 @@ SOURCE = r"""
 #include <thread>
 #include <vector>
 
-#define ALL(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
-#define ALL12(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
-#define ALL8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+// `iters` rounds of step() on N independent accumulators (each starting at init(i)), then read() of each into
+// `sink`; returns the multiply-adds, `per` per step. Fully unrolled, so every accumulator is a register.
+template <int N, typename V, typename Init, typename Step, typename Read>
+static double run_probe(int64_t iters, double per, float& sink, Init init, Step step, Read read) {
+  V a[N];
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) a[i] = init(i);
+  for (int64_t n = 0; n < iters; ++n) {
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) a[i] = step(a[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) sink += read(a[i]);
+  return N * per * iters;
+}
 
 // Multiply-adds per second of one thread running `iters` rounds of 8-16 independent instructions.
 static double one_thread(const std::string& kind, int64_t iters) {
@@ -55,31 +67,17 @@ static double one_thread(const std::string& kind, int64_t iters) {
 #if defined(__AVX512VNNI__)
   if (kind == "vpdpbusd") {
     const __m512i w = _mm512_set1_epi32(0x01010101), x = _mm512_set1_epi32(0x02020202);
-#define INIT(i) __m512i a##i = _mm512_set1_epi32(i);
-#define STEP(i) a##i = _mm512_dpbusd_epi32(a##i, w, x);
-#define SUM(i) sink += _mm512_reduce_add_epi32(a##i);
-    ALL(INIT)
-    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
-    ALL(SUM)
-#undef INIT
-#undef STEP
-#undef SUM
-    macs = 16.0 * 64 * iters;
+    macs = run_probe<16, __m512i>(iters, 64, sink, [](int i) { return _mm512_set1_epi32(i); },
+                                  [&](__m512i a) { return _mm512_dpbusd_epi32(a, w, x); },
+                                  [](__m512i a) { return static_cast<float>(_mm512_reduce_add_epi32(a)); });
   }
 #endif
 #if defined(__AVX512BF16__)
   if (kind == "vdpbf16ps") {
     const __m512bh w = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-#define INIT(i) __m512 a##i = _mm512_set1_ps(i);
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, w, w);
-#define SUM(i) sink += _mm512_reduce_add_ps(a##i);
-    ALL(INIT)
-    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
-    ALL(SUM)
-#undef INIT
-#undef STEP
-#undef SUM
-    macs = 16.0 * 32 * iters;
+    macs = run_probe<16, __m512>(iters, 32, sink, [](int i) { return _mm512_set1_ps(i); },
+                                 [&](__m512 a) { return _mm512_dpbf16_ps(a, w, w); },
+                                 [](__m512 a) { return _mm512_reduce_add_ps(a); });
   }
 #endif
 #if defined(__AVX2__)
@@ -87,47 +85,27 @@ static double one_thread(const std::string& kind, int64_t iters) {
   // as fast as the kernels). Each step's signed operand is its own accumulator's bytes, so no part of it is the same
   // every iteration (a constant one was hoisted out of the loop, leaving only the adds).
   if (kind == "vpmaddubsw") {  // linear_int8's AVX2 step: the sign onto the weight, pairs, int32, accumulate
-    const __m256i x = _mm256_set1_epi32(0x02020202);
-    const __m256i mag = _mm256_abs_epi8(x), ones = _mm256_set1_epi16(1);
-#define INIT(i) __m256i a##i = _mm256_set1_epi32(i);
-#define STEP(i) \
-  a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(a##i, x)), ones));
-#define SUM(i) sink += _mm256_extract_epi32(a##i, 0);
-    ALL8(INIT)
-    for (int64_t n = 0; n < iters; ++n) { ALL8(STEP) }
-    ALL8(SUM)
-#undef INIT
-#undef STEP
-#undef SUM
-    macs = 8.0 * 32 * iters;
+    const __m256i x = _mm256_set1_epi32(0x02020202), mag = _mm256_abs_epi8(x), ones = _mm256_set1_epi16(1);
+    macs = run_probe<8, __m256i>(
+        iters, 32, sink, [](int i) { return _mm256_set1_epi32(i); },
+        [&](__m256i a) {
+          return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(a, x)), ones));
+        },
+        [](__m256i a) { return static_cast<float>(_mm256_extract_epi32(a, 0)); });
   }
   if (kind == "vfmadd231ps ymm") {
     const __m256 w = _mm256_set1_ps(1.0f), x = _mm256_set1_ps(1e-9f);
-#define INIT(i) __m256 a##i = _mm256_set1_ps(i);
-#define STEP(i) a##i = _mm256_fmadd_ps(w, x, a##i);
-#define SUM(i) sink += _mm256_cvtss_f32(a##i);
-    ALL12(INIT)
-    for (int64_t n = 0; n < iters; ++n) { ALL12(STEP) }
-    ALL12(SUM)
-#undef INIT
-#undef STEP
-#undef SUM
-    macs = 12.0 * 8 * iters;
+    macs = run_probe<12, __m256>(iters, 8, sink, [](int i) { return _mm256_set1_ps(i); },
+                                 [&](__m256 a) { return _mm256_fmadd_ps(w, x, a); },
+                                 [](__m256 a) { return _mm256_cvtss_f32(a); });
   }
 #endif
 #if defined(__AVX512F__)
   if (kind == "vfmadd231ps") {
     const __m512 w = _mm512_set1_ps(1.0f), x = _mm512_set1_ps(1e-9f);
-#define INIT(i) __m512 a##i = _mm512_set1_ps(i);
-#define STEP(i) a##i = _mm512_fmadd_ps(w, x, a##i);
-#define SUM(i) sink += _mm512_reduce_add_ps(a##i);
-    ALL(INIT)
-    for (int64_t n = 0; n < iters; ++n) { ALL(STEP) }
-    ALL(SUM)
-#undef INIT
-#undef STEP
-#undef SUM
-    macs = 16.0 * 16 * iters;
+    macs = run_probe<16, __m512>(iters, 16, sink, [](int i) { return _mm512_set1_ps(i); },
+                                 [&](__m512 a) { return _mm512_fmadd_ps(w, x, a); },
+                                 [](__m512 a) { return _mm512_reduce_add_ps(a); });
   }
 #endif
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
