@@ -23,7 +23,9 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 - the whole decode stack (every layer's norms, linears, rotary, KV store, attention and merge in one native call) at
   batch 8 under a kept 1,050-key shared block with ~40 own positions per row (a few-shot batch), bf16 and int8
   weights over a bf16 pool, and int8 weights over an int8 pool; at batch 1, bf16 weights, and int8 weights over
-  an int8 pool;
+  an int8 pool; on CPUs without AVX512_BF16 (no cascade groups there), batches of 1 and 8 over 1,091 own positions
+  each, fp32 weights and activations over an fp32 pool (the default format there) and int8 weights over an int8
+  pool;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``).
 
@@ -150,28 +152,32 @@ def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, a
 
 
 def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050, own: int = 40,
-               kv: str = "bfloat16") -> Case:
-    """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows under one shared
-    ``prefix`` (packed once per build, as the backend keeps it) with ``own`` positions each, ``fmt`` weights, a
-    ``kv`` pool (bfloat16 or int8)."""
-    layout = {"int8": "vnni", "bfloat16": "bf16pair"}[fmt]
+               kv: str = "bfloat16", shared: bool = True) -> Case:
+    """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows with ``own`` positions
+    each under one shared ``prefix`` (packed once per build, as the backend keeps it), or with ``prefix`` positions
+    of their own more where not ``shared`` (no cascade group: a CPU without the GEMM kernel); ``fmt`` weights, a
+    ``kv`` pool. Activations in bf16 under a group (a bf16 model's, where the GEMM kernel is built), else in fp32
+    (the model of a CPU without AVX512_BF16), with a pool in the activations' dtype or int8."""
+    layout = {"int8": "vnni", "bfloat16": "bf16pair", "float32": "kmajor"}[fmt]
+    act = torch.bfloat16 if shared else torch.float32
     hidden = LINEAR_SHAPES[0][1]
     weights = [[pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for n, kk in LINEAR_SHAPES]
                for _ in range(LAYERS)]
-    norms = [(torch.ones(hidden).bfloat16(), torch.ones(hidden).bfloat16()) for _ in range(LAYERS)]
-    slots = prefix + batch * (own + 1) + 64
+    norms = [(torch.ones(hidden, dtype=act), torch.ones(hidden, dtype=act)) for _ in range(LAYERS)]
+    length = own + 1 if shared else prefix + own + 1  # each row's own positions
+    slots = prefix + batch * length + 64
     layer_pools = [pools(slots, g, kv) for _ in range(LAYERS)]
     # [layers, slots, kv_heads, row] as KVStorage holds them (row: DIM, or DIM + 4 for the int8 format)
     k_buf, v_buf = (torch.stack([p[i] for p in layer_pools]).view(LAYERS, slots, KV_HEADS, -1) for i in (0, 1))
-    shared = torch.arange(prefix)
-    packs = functools.cache(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared,
+    shared_index = torch.arange(prefix)
+    packs = functools.cache(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared_index,
                                                      KV_HEADS, DIM) for i in range(LAYERS)])
-    kv_index = torch.stack([prefix + r * (own + 1) + torch.arange(own + 1) for r in range(batch)])
-    lengths = torch.full((batch,), own + 1, dtype=torch.int64)
+    kv_index = torch.stack([prefix + r * length + torch.arange(length) for r in range(batch)])
+    lengths = torch.full((batch,), length, dtype=torch.int64)
     new_slots = kv_index[:, -1].contiguous()
     angle = torch.rand(batch, DIM, generator=g)
-    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
-    x = (torch.randn(batch, hidden, generator=g) * 0.1).bfloat16()
+    cos, sin = angle.cos().to(act), angle.sin().to(act)
+    x = (torch.randn(batch, hidden, generator=g) * 0.1).to(act)
     built: dict[int, Any] = {}
 
     def run(k: ModuleType) -> None:
@@ -180,11 +186,11 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
             for layer, (n1, n2) in zip(weights, norms):
                 stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
                                 [None] * 4)
-            group = k.SharedGroup(0, batch, shared, torch.full((batch,), prefix, dtype=torch.int64),
-                                  [list(p) for p in packs(k)])
-            built[id(k)] = (stack, group)
-        stack, group = built[id(k)]
-        stack.run(x.clone(), cos, sin, new_slots, kv_index, lengths, k_buf, v_buf, [group])
+            groups = [k.SharedGroup(0, batch, shared_index, torch.full((batch,), prefix, dtype=torch.int64),
+                                    [list(p) for p in packs(k)])] if shared else []
+            built[id(k)] = (stack, groups)
+        stack, groups = built[id(k)]
+        stack.run(x.clone(), cos, sin, new_slots, kv_index, lengths, k_buf, v_buf, groups)
 
     return run
 
@@ -242,6 +248,13 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
                 "int8", g, kv="int8")
             out["decode stack, batch 1 under a 1,050-key shared block, int8 weights, int8 pool"] = stack_case(
                 "int8", g, 1, kv="int8")
+    if not k_this.bf16_dot():  # no cascade groups: each row attends its 1,091 positions in the pool
+        for batch in (1, 8):
+            out[f"decode stack, batch {batch} over 1,091 own positions, fp32 weights, fp32 pool"] = stack_case(
+                "float32", g, batch, kv="float32", shared=False)
+            if k_this.int8_dot():
+                out[f"decode stack, batch {batch} over 1,091 own positions, int8 weights, int8 pool"] = stack_case(
+                    "int8", g, batch, kv="int8", shared=False)
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     return out
 

@@ -10,6 +10,11 @@
 // time into each head's output row, 8 vectors (64 dims) per pass, the tile's V rows in L1 for every head.
 // The dot-product kernels' softmax over a range (softmax_range, 16-float vectors) took 40% of this kernel's time on
 // AVX2, as much as its scores and values together: softmax8 is the same steps in 8-float registers.
+// Over an int8 or bf16 pool each K and V value is converted to fp32 before its FMA, so there up to three heads of the
+// group take one pass over the rows (score_heads, sum_heads): a value is converted once for them, and the pass keeps
+// 12 accumulator chains in flight instead of 8. Batch-1 attention over an int8 pool took 0.8x the time (a Zen 3
+// host, one core, rows in L2); over an fp32 pool, where the FMAs read the rows from memory operands, one head per pass
+// stays faster. Either way each head's sums run in the same order, so the bits are the same.
 #pragma once
 
 #include "fastcpu_attend.h"
@@ -66,6 +71,80 @@ inline void softmax8(float* s, int64_t n, int64_t ng, float* m, float* l) {
   *l = sum;
 }
 
+// Query heads per pass over a tile's rows: three where each value must be converted first (shared by the heads),
+// one over an fp32 pool.
+template <typename KV>
+constexpr int kHeadsPerPass = std::is_same_v<KV, float> ? 1 : 3;
+
+// The scores of HC heads (queries q + h * d) against the 8 rows into s[h * kRange ..] (lanes: rows), scaled by scale
+// and an int8 row's k_scale. Each row's products are summed over the dims in order and then across the lanes (hsum8).
+// One head takes the 8 rows at once, several 4 at a time (HC x 4 accumulators, each row's values converted once for
+// every head).
+template <int HC, typename KV, int NV>
+inline void score_heads(const float* q, int64_t d, const KV* const* row, float scale, const float* k_scale, float* s) {
+  constexpr int kRows = HC == 1 ? 8 : 4;
+  __m256 dp[HC][8];
+  for (int t0 = 0; t0 < 8; t0 += kRows) {
+    __m256 acc[HC][kRows];
+    for (int h = 0; h < HC; ++h)
+      for (int t = 0; t < kRows; ++t) acc[h][t] = _mm256_setzero_ps();
+    for (int c = 0; c < NV; ++c)
+      for (int t = 0; t < kRows; ++t) {
+        const __m256 k = load8(row[t0 + t] + 8 * c);
+        for (int h = 0; h < HC; ++h) acc[h][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + 8 * c), k, acc[h][t]);
+      }
+    for (int h = 0; h < HC; ++h)
+      for (int t = 0; t < kRows; ++t) dp[h][t0 + t] = acc[h][t];
+  }
+  for (int h = 0; h < HC; ++h) {
+    __m256 sc = _mm256_mul_ps(hsum8(dp[h]), _mm256_set1_ps(scale));
+    if constexpr (std::is_same_v<KV, int8_t>) sc = _mm256_mul_ps(sc, _mm256_load_ps(k_scale));
+    _mm256_store_ps(s + h * kRange, sc);
+  }
+}
+
+// out[h * d ..] += sum over the nt rows of w[h * ldw + t] * row t, for HC heads: one head 8 vectors (64 dims) per
+// pass, several 4 each (HC x 4 accumulators, each row's values converted once for every head).
+template <int HC, typename KV, int NV>
+inline void sum_heads(const KV* const* row, int64_t nt, const float* w, int64_t ldw, int64_t d, float* out) {
+  constexpr int kVecs = HC == 1 ? (NV < 8 ? NV : 8) : 4;
+  for (int c0 = 0; c0 < NV; c0 += kVecs) {
+    __m256 acc[HC][kVecs];
+    for (int h = 0; h < HC; ++h)
+      for (int c = 0; c < kVecs; ++c) acc[h][c] = _mm256_loadu_ps(out + h * d + 8 * (c0 + c));
+    for (int64_t t = 0; t < nt; ++t) {
+      __m256 wt[HC];
+      for (int h = 0; h < HC; ++h) wt[h] = _mm256_broadcast_ss(w + h * ldw + t);
+      for (int c = 0; c < kVecs; ++c) {
+        const __m256 v = load8(row[t] + 8 * (c0 + c));
+        for (int h = 0; h < HC; ++h) acc[h][c] = _mm256_fmadd_ps(wt[h], v, acc[h][c]);
+      }
+    }
+    for (int h = 0; h < HC; ++h)
+      for (int c = 0; c < kVecs; ++c) _mm256_storeu_ps(out + h * d + 8 * (c0 + c), acc[h][c]);
+  }
+}
+
+// f(std::integral_constant<int, hc>, g0) for hc = min(kHeadsPerPass<KV>, group - g0) over g0 = 0, kHeadsPerPass<KV>, ...
+template <typename KV, typename F>
+inline void by_head_passes(int64_t group, F&& f) {
+  constexpr int kPass = kHeadsPerPass<KV>;
+  for (int64_t g0 = 0; g0 < group; g0 += kPass) {
+    const int64_t hc = std::min<int64_t>(kPass, group - g0);
+    if constexpr (kPass == 3) {
+      if (hc == 3) {
+        f(std::integral_constant<int, 3>{}, g0);
+        continue;
+      }
+      if (hc == 2) {
+        f(std::integral_constant<int, 2>{}, g0);
+        continue;
+      }
+    }
+    f(std::integral_constant<int, 1>{}, g0);
+  }
+}
+
 // attend_range's contract (one KV head's range of positions j0..j1 <= j0 + kRange, `group` query heads, head g
 // seeing positions below hi[g]; writes each head's max, sum and unnormalised output) for head dim 8 * NV. A head's
 // arithmetic does not depend on the other heads of the call, so a token's result does not depend on its batch.
@@ -85,21 +164,12 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
       if (t0 + t < n && j + kPrefetch < j1) prefetch_row(k_pool + slots[j + kPrefetch] * slot_stride + head_off, pf_len);
       if constexpr (kInt8) k_scale[t0 + t] = row_scale(row[t], d);
     }
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 dp[8];
-      for (int t = 0; t < 8; ++t) dp[t] = _mm256_setzero_ps();
-      for (int c = 0; c < NV; ++c) {
-        const __m256 qc = _mm256_loadu_ps(q + g * d + 8 * c);
-        for (int t = 0; t < 8; ++t) dp[t] = _mm256_fmadd_ps(qc, load8(row[t] + 8 * c), dp[t]);
-      }
-      __m256 sc = _mm256_mul_ps(hsum8(dp), _mm256_set1_ps(scale));
-      if constexpr (kInt8) sc = _mm256_mul_ps(sc, _mm256_load_ps(k_scale + t0));
-      _mm256_store_ps(&s[g][t0], sc);
-    }
+    by_head_passes<KV>(group, [&](auto heads, int64_t g0) {
+      score_heads<decltype(heads)::value, KV, NV>(q + g0 * d, d, row, scale, k_scale + t0, &s[g0][t0]);
+    });
   }
   for (int64_t g = 0; g < group; ++g) softmax8(s[g], n, std::clamp<int64_t>(hi[g] - j0, 0, n), m_out + g, l_out + g);
   std::fill(acc_out, acc_out + group * d, 0.f);
-  constexpr int kPass = NV < 8 ? NV : 8;  // output vectors per pass: 8 accumulators, a weight, a V value
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t nt = std::min<int64_t>(kTile, n - t0);
     alignas(64) float v_scale[kTile];
@@ -109,18 +179,16 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
       if (j + kPrefetch < j1) prefetch_row(v_pool + slots[j + kPrefetch] * slot_stride + head_off, pf_len);
       v_scale[t] = row_scale(row[t], d);
     }
-    for (int64_t g = 0; g < group; ++g) {
-      for (int c0 = 0; c0 < NV; c0 += kPass) {
-        float* out = acc_out + g * d + 8 * c0;
-        __m256 acc[kPass];
-        for (int c = 0; c < kPass; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
-        for (int64_t t = 0; t < nt; ++t) {
-          const __m256 w = _mm256_set1_ps(kInt8 ? s[g][t0 + t] * v_scale[t] : s[g][t0 + t]);
-          for (int c = 0; c < kPass; ++c) acc[c] = _mm256_fmadd_ps(w, load8(row[t] + 8 * (c0 + c)), acc[c]);
-        }
-        for (int c = 0; c < kPass; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
-      }
-    }
+    // the weights: an int8 tile's with each row's scale in them, a float tile's the probabilities themselves
+    alignas(32) float scaled[kInt8 ? kMaxGroup : 1][kTile];
+    if constexpr (kInt8)
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < nt; ++t) scaled[g][t] = s[g][t0 + t] * v_scale[t];
+    const float* w = kInt8 ? &scaled[0][0] : &s[0][t0];
+    const int64_t ldw = kInt8 ? kTile : kRange;
+    by_head_passes<KV>(group, [&](auto heads, int64_t g0) {
+      sum_heads<decltype(heads)::value, KV, NV>(row, nt, w + g0 * ldw, ldw, d, acc_out + g0 * d);
+    });
   }
 }
 
