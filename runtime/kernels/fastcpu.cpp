@@ -60,24 +60,23 @@ template <typename W>
 inline LinVec load_lanes(const W* p) { return (LinVec)load8(p); }
 #endif
 
-// A tile of MR activation rows x NV vectors (kLanes columns each) of one panel, starting at column c0 of the
-// panel: acc[r][v] = sum_k x[r, k] * P[k, c0 + kLanes v ..]. The panel is stored k-major ([K, 64]), so the loop
-// streams it and keeps one output column per vector lane (no horizontal sums). MR and NV are template constants so
-// the accumulators stay in registers, in the shapes rows_of_panel picks for the CPU's registers (each weight is
-// loaded and converted once per pass for all the tile's rows).
-template <int MR, int NV, typename W>
-inline void tile(const float* x, int64_t ldx, int64_t k, const W* panel, int64_t c0, float* y, int64_t ldy,
-                 int64_t cn, const float* scale, const float* bias, bool accumulate) {
+// A tile of MR activation rows x NV vectors (kLanes columns each) of one panel, starting at column c0 of the panel,
+// over the panel's k rows [k0, k1): sums[r][c0 + kLanes v ..] += sum_i x[r, i] * P[i, c0 + kLanes v ..], from 0 where
+// k0 is 0. The panel is stored k-major ([K, 64]), so the loop streams it and keeps one output column per vector lane
+// (no horizontal sums). MR and NV are template constants so the accumulators stay in registers, in the shapes
+// rows_of_panel picks for the CPU's registers (each weight is loaded and converted once per pass for all the tile's
+// rows). Pass `pass` of kPasses asks for its share of the lines of the rows kAhead rows on (see rows_of_panel).
+template <int MR, int NV, int kPasses, int64_t kAhead, typename W>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* panel, int pass, float* sums) {
+  constexpr int kLines = static_cast<int>(sizeof(W)) * kPanel / 64;  // cache lines per k row of a panel
+  const int64_t c0 = pass * kLanes * NV;
   LinVec acc[MR][NV];
   for (int a = 0; a < MR; ++a)
-    for (int v = 0; v < NV; ++v) acc[a][v] = lanes(0.f);
-  for (int64_t i = 0; i < k; ++i) {
+    for (int v = 0; v < NV; ++v) acc[a][v] = k0 == 0 ? lanes(0.f) : load_lanes(sums + a * kPanel + c0 + kLanes * v);
+  for (int64_t i = k0; i < k1; ++i) {
     const W* wk = panel + i * kPanel + c0;
-    if (c0 == 0) {  // the first pass over the panel brings it in: ask for its rows a few k ahead
-      const char* ahead = reinterpret_cast<const char*>(panel + (i + kPrefetchRows) * kPanel);
-      for (int64_t line = 0; line < static_cast<int64_t>(sizeof(W)) * kPanel; line += 64)
-        _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+    const char* next = reinterpret_cast<const char*>(panel + (i + kAhead) * kPanel);
+    for (int line = pass; line < kLines; line += kPasses) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
     LinVec w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load_lanes(wk + kLanes * v);
     for (int a = 0; a < MR; ++a) {
@@ -85,37 +84,48 @@ inline void tile(const float* x, int64_t ldx, int64_t k, const W* panel, int64_t
       for (int v = 0; v < NV; ++v) acc[a][v] += xb * w[v];
     }
   }
-  alignas(64) float tmp[kLanes * NV];
-  for (int a = 0; a < MR; ++a) {
-    std::memcpy(tmp, acc[a], sizeof(tmp));
-    float* yr = y + a * ldy;
-    for (int64_t c = 0; c < std::min<int64_t>(kLanes * NV, cn - c0); ++c) {
-      float val = tmp[c];
-      if (scale) val *= scale[c0 + c];
-      if (bias) val += bias[c0 + c];
-      yr[c0 + c] = accumulate ? yr[c0 + c] + val : val;
-    }
-  }
+  for (int a = 0; a < MR; ++a)
+    for (int v = 0; v < NV; ++v) std::memcpy(sums + a * kPanel + c0 + kLanes * v, &acc[a][v], sizeof(LinVec));
 }
 
 // The register tiles (accumulators + one pass's weight vectors + the broadcast row value, within the registers):
 // with AVX-512 up to 4 rows take the whole panel width at once (16 accumulators), 5..8 rows half of it per pass.
 // With AVX2 one row takes the whole width (its weights are FMA operands straight from memory), two rows half of it
-// per pass, and 3..6 rows a quarter (12 accumulators). A pass past the first reads the panel's other cache lines
-// from L2, where the first pass's prefetches left them. Each output's sum runs over k in the same order in every
-// tile shape.
+// per pass, and 3..6 rows a quarter (12 accumulators). Each output's sum runs over k in the same order in every
+// tile shape, so a row's bits do not depend on the shape its batch picked.
 #ifdef __AVX512F__
 constexpr int64_t kTileRows = 8;
 #else
 constexpr int64_t kTileRows = 6;
 #endif
 
+// The passes over a panel go block by block: kPrefetchRows * passes k rows, all passes, then the next block, the
+// running sums kept in `sums` between blocks. Each pass asks for its share of the lines of the rows one block
+// ahead, so the memory streams the next block while all passes compute this one. Before, the first pass over the
+// whole panel asked for all of its lines and the other passes re-read them from L2: the memory was busy in the
+// first pass only, and fp32 products at 8 rows ran at a quarter of the FMA roof on an AVX2 host. One pass (one
+// row, or up to 4 with AVX-512) takes the whole panel as one block, fetching kPrefetchRows ahead. Every pass runs
+// over all 64 columns of the panel (a partial panel's are zero-padded); only the first cn are stored.
 template <int MR, typename W>
 inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cn,
                           const float* scale, const float* bias, bool accumulate) {
   constexpr int kColumns = kLanes == 16 ? (MR <= 4 ? 64 : 32) : (MR == 1 ? 64 : MR == 2 ? 32 : 16);
-  for (int64_t c0 = 0; c0 < cn; c0 += kColumns)
-    tile<MR, kColumns / kLanes>(x, ldx, k, panel, c0, y, ldy, cn, scale, bias, accumulate);
+  constexpr int kPasses = kPanel / kColumns;
+  constexpr int64_t kAhead = kPrefetchRows * kPasses;
+  const int64_t block = kPasses == 1 ? k : kAhead;
+  alignas(64) float sums[MR][kPanel];
+  for (int64_t k0 = 0; k0 < k; k0 += block)
+    for (int pass = 0; pass < kPasses; ++pass)
+      tile<MR, kColumns / kLanes, kPasses, kAhead>(x, ldx, k0, std::min(k, k0 + block), panel, pass, &sums[0][0]);
+  for (int a = 0; a < MR; ++a) {
+    float* yr = y + a * ldy;
+    for (int64_t c = 0; c < cn; ++c) {
+      float val = sums[a][c];
+      if (scale) val *= scale[c];
+      if (bias) val += bias[c];
+      yr[c] = accumulate ? yr[c] + val : val;
+    }
+  }
 }
 
 template <typename W>
