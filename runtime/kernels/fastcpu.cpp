@@ -114,6 +114,7 @@ inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel
   constexpr int64_t kAhead = kPrefetchRows * kPasses;
   const int64_t block = kPasses == 1 ? k : kAhead;
   alignas(64) float sums[MR][kPanel];
+  if (k == 0) std::fill(&sums[0][0], &sums[0][0] + MR * kPanel, 0.f);  // no k rows: no block sets the sums
   for (int64_t k0 = 0; k0 < k; k0 += block)
     for (int pass = 0; pass < kPasses; ++pass)
       tile<MR, kColumns / kLanes, kPasses, kAhead>(x, ldx, k0, std::min(k, k0 + block), panel, pass, &sums[0][0]);

@@ -141,6 +141,14 @@ def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
         torch.testing.assert_close(res, expected, rtol=1e-4, atol=1e-3)
 
 
+def test_packed_linear_without_input_features_gives_its_bias(k):
+    # the row tiles keep their sums in a buffer between blocks of k rows; with no k rows at all it must still read 0
+    pw, b = pack_weight(torch.randn(5, 0), "float32"), torch.randn(5)
+    for m in (1, 2, 8):
+        torch.testing.assert_close(k.linear_packed(torch.randn(m, 0), pw.data, 5, pw.scale, b, None),
+                                   b.expand(m, 5), rtol=0, atol=0)
+
+
 def test_int8_quantization_is_per_output_row():
     w = torch.tensor([[1.0, -2.0, 0.5], [100.0, 50.0, -25.0]])
     q, scale = quantize_int8(w)
