@@ -69,7 +69,7 @@ def test_undeclared_methods_answer_405_with_allow(fuzzed: ServerProcess) -> None
 def test_schemathesis_all_checks(fuzzed: ServerProcess, tmp_path: Path) -> None:
     cli = Path(sys.executable).with_name("schemathesis")
     out = subprocess.run([str(cli), "--config-file", str(CONFIG), "run", fuzzed.url + "/openapi.json",
-                          "--checks", "all", "--max-examples", "25", "--workers", "1", "--seed", "7",
+                          "--checks", "all", "--max-examples", "15", "--workers", "1", "--seed", "7",
                           "--no-color"], capture_output=True, text=True, timeout=900,
                          cwd=tmp_path)  # where schemathesis keeps its cache
     report = out.stdout[-6000:] + out.stderr[-2000:]
