@@ -27,7 +27,8 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
   each, fp32 weights and activations over an fp32 pool (the default format there) and int8 weights over an int8
   pool;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
-  ``argmax_rows``).
+  ``argmax_rows``);
+- the element-wise kernels of 30 layers (two RMSNorms and one SiLU·mul each) at 1, 8 and 1,024 rows.
 
     python benchmarks/bench_kernel_ab.py --base REV [--rounds 16] [--threads 2] [--only TEXT] [--json out.json]
 """
@@ -195,6 +196,21 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
     return run
 
 
+def small_ops_case(rows: int, g: torch.Generator) -> Case:
+    """The element-wise kernels of 30 layers at ``rows`` rows of SmolLM2's widths: two RMSNorms, one SiLU·mul."""
+    x = torch.randn(rows, 576, generator=g)
+    weight = torch.randn(576, generator=g)
+    gate_up = torch.randn(rows, 3072, generator=g)
+
+    def run(k: ModuleType) -> None:
+        for _ in range(LAYERS):
+            k.rms_norm(x, weight, 1e-5)
+            k.rms_norm(x, weight, 1e-5)
+            k.silu_mul(gate_up)
+
+    return run
+
+
 def argmax_case(g: torch.Generator) -> Case:
     """The sampler's greedy pick with each build: its argmax_rows, or torch.max where the build has none."""
     logits = torch.randn(8, VOCAB, generator=g)
@@ -256,6 +272,8 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
                 out[f"decode stack, batch {batch} over 1,091 own positions, int8 weights, int8 pool"] = stack_case(
                     "int8", g, batch, kv="int8", shared=False)
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
+    for rows in (1, 8, 1024):
+        out[f"RMSNorm x2 and SiLU·mul of 30 layers, {rows} row(s)"] = small_ops_case(rows, g)
     return out
 
 

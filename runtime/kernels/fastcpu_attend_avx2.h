@@ -31,9 +31,6 @@ inline __m256 hsum8(const __m256 (&x)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// e^x of 8 floats: exp16's arithmetic (exp_lanes, fastcpu_vec.h) in one AVX2 register.
-inline __m256 exp8(__m256 x) { return (__m256)exp_lanes<v8, v8i>((v8)x); }
-
 // Lanes below `count` of 8 (all of them from 8 on).
 inline __m256 first_lanes(int64_t count) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

@@ -106,12 +106,29 @@ inline void store(at::BFloat16* p, v16 v) {  // round to nearest even, as torch'
   std::memcpy(p, &h, sizeof(h));
 }
 
+// 8 floats into one AVX2 register's worth of memory: as is, or rounded to bf16 as store(at::BFloat16*, v16) rounds.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  // the 16-bit halves are the results (< 0x10000), so the unsigned saturating pack keeps them as they are
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
 // A float rounded through T and back: what storing an intermediate result in T does to it.
 inline v16 round_to(v16 v, float*) { return v; }
 inline v16 round_to(v16 v, at::BFloat16*) {
   alignas(64) at::BFloat16 tmp[16];
   store(tmp, v);
   return load(tmp);
+}
+inline __m256 round8(__m256 v, float*) { return v; }
+inline __m256 round8(__m256 v, at::BFloat16*) {
+  alignas(32) at::BFloat16 tmp[8];
+  store8(tmp, v);
+  return load8(tmp);
 }
 
 // Transposed horizontal sums: out[t] = sum of the lanes of dp[t], t = 0..15, in four levels of pairwise
@@ -141,7 +158,7 @@ inline V hsum16(const V (&dp)[16]) {
 }
 
 // e^x lane by lane for a GCC float vector V (VI: the int32 vector of its width): Cephes' expf polynomial, ~1 ulp
-// for |x| < 87; inputs below -87 give ~0. exp16 (16 floats) and the AVX2 attention kernel's exp8 (8 floats, one
+// for |x| < 87; inputs below -87 give ~0. exp16 (16 floats) and exp8 (8 floats, one
 // register) are this one function.
 //
 // x = n ln2 + r with n the integer nearest x log2(e), so e^x = 2^n e^r with |r| <= ln2 / 2 (e^r by the polynomial).
@@ -184,6 +201,8 @@ inline V exp_lanes(V x) {
 }
 
 inline v16 exp16(v16 x) { return exp_lanes<v16, v16i>(x); }
+// e^x of 8 floats: the same arithmetic in one AVX2 register.
+inline __m256 exp8(__m256 x) { return (__m256)exp_lanes<v8, v8i>((v8)x); }
 
 #ifdef FASTCPU_BF16_DOT
 // 32 floats -> 16 words of two bf16 each (values 2i and 2i + 1: vdpbf16ps's pair operand), rounded to nearest
