@@ -31,7 +31,9 @@
 //   kernels in the same order as the layer-by-layer path.
 //
 // Built with -O3 -march=native; 16-float GCC vector extensions compile to AVX-512 where the host has it and
-// to pairs of AVX2 instructions elsewhere. Unlike invariant.cpp, nothing here promises batch invariance.
+// to pairs of AVX2 instructions elsewhere, except that without AVX-512 GCC keeps such a vector in memory when it
+// lives across loop iterations or goes through a vector select: those loops (argmax, RMSNorm, SiLU·mul, RoPE)
+// have AVX2 versions in 8-lane registers. Unlike invariant.cpp, nothing here promises batch invariance.
 
 #include <cstring>
 

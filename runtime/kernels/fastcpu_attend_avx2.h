@@ -4,10 +4,11 @@
 // Why a kernel of its own: attend_range keeps a group's queries and accumulators in arrays of 16-float vectors.
 // With AVX-512 those are registers (3 heads x 64 dims: 24 of the 32); without it each is two of AVX2's 16 ymm
 // registers, and GCC keeps such arrays in memory, loading and storing them around every position: 8 rows of 1k
-// positions, 30 layers of an fp32 pool, ran at 6.7 GB/s on a Zen 3 host. Here every loop holds at most ~11 ymm
-// registers: a range's scores are taken 8 positions at a time for one head at a time (the 8 K rows stay in L1 for
-// the group's other heads), softmaxed per head over the range (softmax8), and the values summed 16 positions at a
-// time into each head's output row, 8 vectors (64 dims) per pass, the tile's V rows in L1 for every head.
+// positions, 30 layers of an fp32 pool, ran at 6.7 GB/s on a Zen 3 host. Here every loop fits in the 16 ymm
+// registers: a range's scores are taken 8 positions at a time for one pass of heads at a time (the 8 K rows stay
+// in L1 for the group's other heads), softmaxed per head over the range (softmax8), and the values summed 16
+// positions at a time into each head's output row, the tile's V rows in L1 for every head: one head per pass over
+// an fp32 pool (8 rows of scores, 64 dims of values), up to three over a converted pool (below).
 // The dot-product kernels' softmax over a range (softmax_range, 16-float vectors) took 40% of this kernel's time on
 // AVX2, as much as its scores and values together: softmax8 is the same steps in 8-float registers.
 // Over an int8 or bf16 pool each K and V value is converted to fp32 before its FMA, so there up to three heads of the
