@@ -111,7 +111,8 @@ inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(at::BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
   // the 16-bit halves are the results (< 0x10000), so the unsigned saturating pack keeps them as they are
   const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
