@@ -49,16 +49,26 @@ inline void softmax8(float* s, int64_t n, int64_t ng, float* m, float* l) {
     std::fill(s, s + padded, 0.f);
     return;
   }
+  // whole vectors of seen scores first, without a mask; then the partial one, if any
+  const int64_t whole = ng / 8 * 8;
   __m256 vmax = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < ng; t += 8)
-    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + t), first_lanes(ng - t)));
+  for (int64_t t = 0; t < whole; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+  if (whole < ng)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + whole),
+                                                first_lanes(ng - whole)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   const float mx = *std::max_element(lanes, lanes + 8);
+  const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < padded; t += 8) {
-    const __m256 p = t < ng ? _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx))),
-                                            first_lanes(ng - t))
+  int64_t t = 0;
+  for (; t < whole; t += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+    _mm256_storeu_ps(s + t, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  for (; t < padded; t += 8) {
+    const __m256 p = t < ng ? _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), first_lanes(ng - t))
                             : _mm256_setzero_ps();
     _mm256_storeu_ps(s + t, p);
     vsum = _mm256_add_ps(vsum, p);
@@ -155,11 +165,13 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
   const int64_t n = j1 - j0, pf_len = prefetch_length<KV>(head_off, slot_stride, d);
   alignas(64) float s[kMaxGroup][kRange];
   alignas(64) float k_scale[kRange];
+  int64_t offset[kRange];  // each position's row in either pool: found in the scores' pass, read again in the values'
   const KV* row[kTile];
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     for (int64_t t = 0; t < 8; ++t) {  // positions past the range repeat its last row: their weights come out 0
       const int64_t j = j0 + std::min(t0 + t, n - 1);
-      row[t] = k_pool + slots[j] * slot_stride + head_off;
+      if (t0 + t < n) offset[t0 + t] = slots[j] * slot_stride + head_off;
+      row[t] = k_pool + offset[j - j0];
       if (t0 + t < n && j + kPrefetch < j1) prefetch_row(k_pool + slots[j + kPrefetch] * slot_stride + head_off, pf_len);
       if constexpr (kInt8) k_scale[t0 + t] = row_scale(row[t], d);
     }
@@ -171,18 +183,19 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
   std::fill(acc_out, acc_out + group * d, 0.f);
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t nt = std::min<int64_t>(kTile, n - t0);
-    alignas(64) float v_scale[kTile];
+    alignas(64) float v_scale[kTile] = {};  // 0 past the tile's rows, where the weights are 0 too
     for (int64_t t = 0; t < nt; ++t) {
-      const int64_t j = j0 + t0 + t;
-      row[t] = v_pool + slots[j] * slot_stride + head_off;
-      if (j + kPrefetch < j1) prefetch_row(v_pool + slots[j + kPrefetch] * slot_stride + head_off, pf_len);
+      row[t] = v_pool + offset[t0 + t];
+      if (t0 + t + kPrefetch < n) prefetch_row(v_pool + offset[t0 + t + kPrefetch], pf_len);
       v_scale[t] = row_scale(row[t], d);
     }
-    // the weights: an int8 tile's with each row's scale in them, a float tile's the probabilities themselves
+    // the weights: an int8 tile's with each row's scale in them (a whole tile's, 8 at a time), a float tile's the
+    // probabilities themselves
     alignas(32) float scaled[kInt8 ? kMaxGroup : 1][kTile];
     if constexpr (kInt8)
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t t = 0; t < nt; ++t) scaled[g][t] = s[g][t0 + t] * v_scale[t];
+        for (int t = 0; t < kTile; t += 8)
+          _mm256_store_ps(&scaled[g][t], _mm256_mul_ps(_mm256_load_ps(&s[g][t0 + t]), _mm256_load_ps(v_scale + t)));
     const float* w = kInt8 ? &scaled[0][0] : &s[0][t0];
     const int64_t ldw = kInt8 ? kTile : kRange;
     by_head_passes<KV>(group, [&](auto heads, int64_t g0) {
