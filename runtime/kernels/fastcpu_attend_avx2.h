@@ -61,15 +61,12 @@ inline void softmax8(float* s, int64_t n, int64_t ng, float* m, float* l) {
   const float mx = *std::max_element(lanes, lanes + 8);
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t < whole; t += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
-    _mm256_storeu_ps(s + t, p);
-    vsum = _mm256_add_ps(vsum, p);
-  }
-  for (; t < padded; t += 8) {
-    const __m256 p = t < ng ? _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx)), first_lanes(ng - t))
-                            : _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    __m256 p = _mm256_setzero_ps();
+    if (t < ng) {
+      p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+      if (t >= whole) p = _mm256_and_ps(p, first_lanes(ng - t));
+    }
     _mm256_storeu_ps(s + t, p);
     vsum = _mm256_add_ps(vsum, p);
   }
@@ -165,14 +162,15 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
   const int64_t n = j1 - j0, pf_len = prefetch_length<KV>(head_off, slot_stride, d);
   alignas(64) float s[kMaxGroup][kRange];
   alignas(64) float k_scale[kRange];
-  int64_t offset[kRange];  // each position's row in either pool: found in the scores' pass, read again in the values'
+  const auto offset_of = [&](int64_t j) { return slots[j] * slot_stride + head_off; };  // position j's row, either pool
+  int64_t offset[kRange];  // found in the scores' pass, read again in the values'
   const KV* row[kTile];
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     for (int64_t t = 0; t < 8; ++t) {  // positions past the range repeat its last row: their weights come out 0
       const int64_t j = j0 + std::min(t0 + t, n - 1);
-      if (t0 + t < n) offset[t0 + t] = slots[j] * slot_stride + head_off;
+      if (t0 + t < n) offset[t0 + t] = offset_of(j);
       row[t] = k_pool + offset[j - j0];
-      if (t0 + t < n && j + kPrefetch < j1) prefetch_row(k_pool + slots[j + kPrefetch] * slot_stride + head_off, pf_len);
+      if (t0 + t < n && j + kPrefetch < j1) prefetch_row(k_pool + offset_of(j + kPrefetch), pf_len);
       if constexpr (kInt8) k_scale[t0 + t] = row_scale(row[t], d);
     }
     by_head_passes<KV>(group, [&](auto heads, int64_t g0) {
