@@ -45,7 +45,8 @@ namespace {
 using namespace fastcpu;
 
 constexpr int64_t kPanel = 64;  // output columns per packed panel: 4 vectors of 16
-constexpr int64_t kPrefetchRows = 8;  // how far ahead (in k rows of a panel) the weights are fetched
+constexpr int64_t kPrefetchRows = 8;  // k rows of a panel per pass in a block of several passes (rows_of_panel)
+constexpr int64_t kLoneAheadRows = 32;  // how far ahead (in k rows of a panel) a lone pass fetches
 
 // The linear kernel's vectors: 16 floats (one zmm register, 32 of them) with AVX-512, else 8 (one ymm register, 16
 // of them). A 16-float GCC vector on AVX2 is two ymm halves that GCC keeps in memory when they sit in arrays: with
@@ -56,12 +57,14 @@ constexpr int kLanes = 16;
 inline LinVec lanes(float x) { return splat(x); }
 template <typename W>
 inline LinVec load_lanes(const W* p) { return load(p); }
+inline void store_lanes(float* p, LinVec v) { store(p, v); }
 #else
 using LinVec = v8;
 constexpr int kLanes = 8;
 inline LinVec lanes(float x) { return (LinVec)_mm256_set1_ps(x); }
 template <typename W>
 inline LinVec load_lanes(const W* p) { return (LinVec)load8(p); }
+inline void store_lanes(float* p, LinVec v) { store8(p, (__m256)v); }
 #endif
 
 // A tile of MR activation rows x NV vectors (kLanes columns each) of one panel, starting at column c0 of the panel,
@@ -69,7 +72,8 @@ inline LinVec load_lanes(const W* p) { return (LinVec)load8(p); }
 // k0 is 0. The panel is stored k-major ([K, 64]), so the loop streams it and keeps one output column per vector lane
 // (no horizontal sums). MR and NV are template constants so the accumulators stay in registers, in the shapes
 // rows_of_panel picks for the CPU's registers (each weight is loaded and converted once per pass for all the tile's
-// rows). Pass `pass` of kPasses asks for its share of the lines of the rows kAhead rows on (see rows_of_panel).
+// rows). A lone pass asks for the lines of the row kAhead rows on; pass `pass` of several asks for its share of the
+// next block's lines, which starts kAhead rows on (see rows_of_panel).
 template <int MR, int NV, int kPasses, int64_t kAhead, typename W>
 inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* panel, int pass, float* sums) {
   constexpr int kLines = static_cast<int>(sizeof(W)) * kPanel / 64;  // cache lines per k row of a panel
@@ -79,8 +83,15 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* p
     for (int v = 0; v < NV; ++v) acc[a][v] = k0 == 0 ? lanes(0.f) : load_lanes(sums + a * kPanel + c0 + kLanes * v);
   for (int64_t i = k0; i < k1; ++i) {
     const W* wk = panel + i * kPanel + c0;
-    const char* next = reinterpret_cast<const char*>(panel + (i + kAhead) * kPanel);
-    for (int line = pass; line < kLines; line += kPasses) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    if constexpr (kPasses == 1) {
+      const char* next = reinterpret_cast<const char*>(panel + (i + kAhead) * kPanel);
+      for (int line = 0; line < kLines; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    } else {  // the next block's lines in address order: this pass's step j of all passes' kPasses * kAhead
+      const char* next = reinterpret_cast<const char*>(panel + (k0 + kAhead) * kPanel);
+      const int64_t j = pass * kAhead + (i - k0);
+      for (int64_t line = j * kLines / kPasses; line < (j + 1) * kLines / kPasses; ++line)
+        _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    }
     LinVec w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load_lanes(wk + kLanes * v);
     for (int a = 0; a < MR; ++a) {
@@ -89,7 +100,7 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* p
     }
   }
   for (int a = 0; a < MR; ++a)
-    for (int v = 0; v < NV; ++v) std::memcpy(sums + a * kPanel + c0 + kLanes * v, &acc[a][v], sizeof(LinVec));
+    for (int v = 0; v < NV; ++v) store_lanes(sums + a * kPanel + c0 + kLanes * v, acc[a][v]);
 }
 
 // The register tiles (accumulators + one pass's weight vectors + the broadcast row value, within the registers):
@@ -104,18 +115,23 @@ constexpr int64_t kTileRows = 6;
 #endif
 
 // The passes over a panel go block by block: kPrefetchRows * passes k rows, all passes, then the next block, the
-// running sums kept in `sums` between blocks. Each pass asks for its share of the lines of the rows one block
-// ahead, so the memory streams the next block while all passes compute this one. Before, the first pass over the
-// whole panel asked for all of its lines and the other passes re-read them from L2: the memory was busy in the
-// first pass only, and fp32 products at 8 rows ran at a quarter of the FMA roof on an AVX2 host. One pass (one
-// row, or up to 4 with AVX-512) takes the whole panel as one block, fetching kPrefetchRows ahead. Every pass runs
-// over all 64 columns of the panel (a partial panel's are zero-padded); only the first cn are stored.
+// running sums kept in `sums` between blocks. Each pass asks for its share of the lines of the next block, so the
+// memory streams the next block while all passes compute this one. Before, the first pass over the whole panel
+// asked for all of its lines and the other passes re-read them from L2: the memory was busy in the first pass
+// only, and fp32 products at 8 rows ran at a quarter of the FMA roof on an AVX2 host. The shares go in address
+// order (pass p asks for the p-th part of the block's bytes, a line or so per row it computes), not by column (pass
+// p asking for its own line of each row): on a Zen 3 host the 120 fp32 linears at 6 and 8 rows from memory took
+// 1.05-1.07x the time with the column-wise order. A block's sums go to `sums` as vector stores: a memcpy of each
+// accumulator compiled to a copy through the stack with AVX2, and cost ~15% of an 8-row product with its weights in
+// L2. One pass (one row, or up to 4 with AVX-512) takes the whole panel as one block, fetching kLoneAheadRows
+// ahead (2 KB of fp32 weights ahead, as before, took 1.05-1.07x the time at one row from memory there). Every pass
+// runs over all 64 columns of the panel (a partial panel's are zero-padded); only the first cn are stored.
 template <int MR, typename W>
 inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cn,
                           const float* scale, const float* bias, bool accumulate) {
   constexpr int kColumns = kLanes == 16 ? (MR <= 4 ? 64 : 32) : (MR == 1 ? 64 : MR == 2 ? 32 : 16);
   constexpr int kPasses = kPanel / kColumns;
-  constexpr int64_t kAhead = kPrefetchRows * kPasses;
+  constexpr int64_t kAhead = kPasses == 1 ? kLoneAheadRows : kPrefetchRows * kPasses;
   const int64_t block = kPasses == 1 ? k : kAhead;
   alignas(64) float sums[MR][kPanel];
   if (k == 0) std::fill(&sums[0][0], &sums[0][0] + MR * kPanel, 0.f);  // no k rows: no block sets the sums
