@@ -72,24 +72,27 @@ inline void store_lanes(float* p, LinVec v) { store8(p, (__m256)v); }
 // k0 is 0. The panel is stored k-major ([K, 64]), so the loop streams it and keeps one output column per vector lane
 // (no horizontal sums). MR and NV are template constants so the accumulators stay in registers, in the shapes
 // rows_of_panel picks for the CPU's registers (each weight is loaded and converted once per pass for all the tile's
-// rows). A lone pass asks for the lines of the row kAhead rows on; pass `pass` of several asks for its share of the
-// next block's lines, which starts kAhead rows on (see rows_of_panel).
-template <int MR, int NV, int kPasses, int64_t kAhead, typename W>
-inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* panel, int pass, float* sums) {
+// rows). A lone pass (kShares 1) asks for the lines of the row kAhead rows on; a pass over a block with others asks
+// for share `share` of kShares of the next block's lines, which starts kAhead rows on; kShares 0 asks for nothing
+// (see rows_of_panel).
+template <int MR, int NV, int kShares, int64_t kAhead, typename W>
+inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* panel, int64_t c0, int share,
+                 float* sums) {
   constexpr int kLines = static_cast<int>(sizeof(W)) * kPanel / 64;  // cache lines per k row of a panel
-  const int64_t c0 = pass * kLanes * NV;
   LinVec acc[MR][NV];
   for (int a = 0; a < MR; ++a)
     for (int v = 0; v < NV; ++v) acc[a][v] = k0 == 0 ? lanes(0.f) : load_lanes(sums + a * kPanel + c0 + kLanes * v);
   for (int64_t i = k0; i < k1; ++i) {
     const W* wk = panel + i * kPanel + c0;
-    if constexpr (kPasses == 1) {
+    if constexpr (kShares == 0) {
+      // the second tile shape of a block: the first shape's passes asked for the next block
+    } else if constexpr (kShares == 1) {
       const char* next = reinterpret_cast<const char*>(panel + (i + kAhead) * kPanel);
       for (int line = 0; line < kLines; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
-    } else {  // the next block's lines in address order: this pass's step j of all passes' kPasses * kAhead
+    } else {  // the next block's lines in address order: this pass's step j of all passes' kShares * kAhead
       const char* next = reinterpret_cast<const char*>(panel + (k0 + kAhead) * kPanel);
-      const int64_t j = pass * kAhead + (i - k0);
-      for (int64_t line = j * kLines / kPasses; line < (j + 1) * kLines / kPasses; ++line)
+      const int64_t j = share * kAhead + (i - k0);
+      for (int64_t line = j * kLines / kShares; line < (j + 1) * kLines / kShares; ++line)
         _mm_prefetch(next + 64 * line, _MM_HINT_T0);
     }
     LinVec w[NV];
@@ -112,33 +115,58 @@ inline void tile(const float* x, int64_t ldx, int64_t k0, int64_t k1, const W* p
 constexpr int64_t kTileRows = 8;
 #else
 constexpr int64_t kTileRows = 6;
+// Batches of up to this many rows take their panels in one sweep of two tile shapes (6 rows and the rest:
+// rows_of_panel). On the Zen 3 host, the 120 fp32 linears from memory against a sweep per shape: 0.79-0.81x the time
+// at 8 rows, 0.83x at 7, 0.86x at 9, 0.95-0.97x at 10; 12 rows (6 + 6) 0.94-1.04x, so from 11 rows the shapes
+// sweep in turn; a batch of 14 or 16 doing its last 8 or 10 rows this way, from L2 after the first 6 rows' sweep,
+// 0.99x and 1.04x.
+constexpr int64_t kTwoShapeRows = 10;
 #endif
 
-// The passes over a panel go block by block: kPrefetchRows * passes k rows, all passes, then the next block, the
-// running sums kept in `sums` between blocks. Each pass asks for its share of the lines of the next block, so the
-// memory streams the next block while all passes compute this one. Before, the first pass over the whole panel
-// asked for all of its lines and the other passes re-read them from L2: the memory was busy in the first pass
-// only, and fp32 products at 8 rows ran at a quarter of the FMA roof on an AVX2 host. The shares go in address
-// order (pass p asks for the p-th part of the block's bytes, a line or so per row it computes), not by column (pass
-// p asking for its own line of each row): on a Zen 3 host the 120 fp32 linears at 6 and 8 rows from memory took
-// 1.05-1.07x the time with the column-wise order. A block's sums go to `sums` as vector stores: a memcpy of each
-// accumulator compiled to a copy through the stack with AVX2, and cost ~15% of an 8-row product with its weights in
-// L2. One pass (one row, or up to 4 with AVX-512) takes the whole panel as one block, fetching kLoneAheadRows
-// ahead (2 KB of fp32 weights ahead, as before, took 1.05-1.07x the time at one row from memory there). Every pass
-// runs over all 64 columns of the panel (a partial panel's are zero-padded); only the first cn are stored.
-template <int MR, typename W>
+// Columns per pass of a tile of `rows` rows (the register tiles above), and its passes over a panel.
+constexpr int columns_per_pass(int rows) {
+  return kLanes == 16 ? (rows <= 4 ? 64 : 32) : (rows == 1 ? 64 : rows == 2 ? 32 : 16);
+}
+constexpr int passes_per_panel(int rows) { return rows == 0 ? 0 : static_cast<int>(kPanel) / columns_per_pass(rows); }
+
+// MR rows of a panel, and MR2 more (0: none) in a second tile shape over the same blocks.
+//
+// The passes over a panel go block by block: kPrefetchRows * (MR's passes) k rows, all passes, then the next block,
+// the running sums kept in `sums` between blocks. Each of MR's passes asks for its share of the lines of the next
+// block, so the memory streams the next block while all passes compute this one. Before, the first pass over the
+// whole panel asked for all of its lines and the other passes re-read them from L2: the memory was busy in the
+// first pass only, and fp32 products at 8 rows ran at a quarter of the FMA roof on an AVX2 host. The shares go in
+// address order (pass p asks for the p-th part of the block's bytes, a line per row it computes), not by column
+// (pass p asking for its own line of each row): on a Zen 3 host the 120 fp32 linears at 6 and 8 rows from memory
+// took 1.05-1.07x the time with the column-wise order. A block's sums go to `sums` as vector stores: a memcpy of
+// each accumulator compiled to a copy through the stack with AVX2, ~15% of an 8-row product with its weights in L2.
+//
+// The second shape (AVX2's 7-10 rows: 6 + 1..4, kTwoShapeRows) runs its passes over each block right after the
+// first's, while the block is in L1 and the next one streams in; it asks for nothing itself. Before, it swept the
+// whole panel again after the first shape, from L2, with the memory idle.
+//
+// One pass (one row, or up to 4 with AVX-512) takes the whole panel as one block, fetching kLoneAheadRows ahead
+// (2 KB of fp32 weights ahead, as before, took 1.05-1.07x the time at one row from memory on the Zen 3 host). Every
+// pass runs over all 64 columns of the panel (a partial panel's are zero-padded); only the first cn are stored.
+template <int MR, int MR2, typename W>
 inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel, float* y, int64_t ldy, int64_t cn,
                           const float* scale, const float* bias, bool accumulate) {
-  constexpr int kColumns = kLanes == 16 ? (MR <= 4 ? 64 : 32) : (MR == 1 ? 64 : MR == 2 ? 32 : 16);
-  constexpr int kPasses = kPanel / kColumns;
-  constexpr int64_t kAhead = kPasses == 1 ? kLoneAheadRows : kPrefetchRows * kPasses;
-  const int64_t block = kPasses == 1 ? k : kAhead;
-  alignas(64) float sums[MR][kPanel];
-  if (k == 0) std::fill(&sums[0][0], &sums[0][0] + MR * kPanel, 0.f);  // no k rows: no block sets the sums
-  for (int64_t k0 = 0; k0 < k; k0 += block)
+  constexpr int kColumns = columns_per_pass(MR), kColumns2 = MR2 > 0 ? columns_per_pass(MR2) : 0;
+  constexpr int kPasses = passes_per_panel(MR), kPasses2 = passes_per_panel(MR2);
+  constexpr int64_t kAhead = kPasses + kPasses2 == 1 ? kLoneAheadRows : kPrefetchRows * kPasses;
+  const int64_t block = kPasses + kPasses2 == 1 ? k : kAhead;
+  alignas(64) float sums[MR + MR2][kPanel];
+  if (k == 0) std::fill(&sums[0][0], &sums[0][0] + (MR + MR2) * kPanel, 0.f);  // no k rows: no block sets the sums
+  for (int64_t k0 = 0; k0 < k; k0 += block) {
+    const int64_t k1 = std::min(k, k0 + block);
     for (int pass = 0; pass < kPasses; ++pass)
-      tile<MR, kColumns / kLanes, kPasses, kAhead>(x, ldx, k0, std::min(k, k0 + block), panel, pass, &sums[0][0]);
-  for (int a = 0; a < MR; ++a) {
+      tile<MR, kColumns / kLanes, kPasses, kAhead>(x, ldx, k0, k1, panel, pass * kColumns, pass, &sums[0][0]);
+    if constexpr (MR2 > 0)
+      for (int pass = 0; pass < kPasses2; ++pass)
+        tile<MR2, kColumns2 / kLanes, 0, kAhead>(x + MR * ldx, ldx, k0, k1, panel, pass * kColumns2, pass,
+                                                &sums[MR][0]);
+  }
+  for (int a = 0; a < MR + MR2; ++a) {
     float* yr = y + a * ldy;
     for (int64_t c = 0; c < cn; ++c) {
       float val = sums[a][c];
@@ -159,20 +187,29 @@ void linear_packed_impl(const float* x, int64_t ldx, int64_t m, int64_t k, const
       const int64_t c0 = p * kPanel, cn = std::min<int64_t>(kPanel, n - c0);
       const float* sp = scale ? scale + c0 : nullptr;
       const float* bp = bias ? bias + c0 : nullptr;
-      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+      for (int64_t r0 = 0, rows = 0; r0 < m; r0 += rows) {
         const float* xr = x + r0 * ldx;
         float* yr = y + r0 * ldy + c0;
-        switch (std::min<int64_t>(kTileRows, m - r0)) {
-#ifdef __AVX512F__
-          case 8: rows_of_panel<8>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 7: rows_of_panel<7>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+        rows = std::min<int64_t>(kTileRows, m - r0);
+#ifndef __AVX512F__
+        if (m > kTileRows && m <= kTwoShapeRows) rows = m;  // 7-10 rows in one sweep of two tile shapes
 #endif
-          case 6: rows_of_panel<6>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 5: rows_of_panel<5>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 4: rows_of_panel<4>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 3: rows_of_panel<3>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          case 2: rows_of_panel<2>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
-          default: rows_of_panel<1>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+        switch (rows) {
+#ifdef __AVX512F__
+          case 8: rows_of_panel<8, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 7: rows_of_panel<7, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+#else
+          case 10: rows_of_panel<6, 4>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 9: rows_of_panel<6, 3>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 8: rows_of_panel<6, 2>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 7: rows_of_panel<6, 1>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+#endif
+          case 6: rows_of_panel<6, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 5: rows_of_panel<5, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 4: rows_of_panel<4, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 3: rows_of_panel<3, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          case 2: rows_of_panel<2, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
+          default: rows_of_panel<1, 0>(xr, ldx, k, panel, yr, ldy, cn, sp, bp, accumulate); break;
         }
       }
     }

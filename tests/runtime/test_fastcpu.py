@@ -131,7 +131,7 @@ def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
         assert (ref_w - w).abs().max() <= w.abs().amax() / 254 + 1e-6  # half a quantisation step
     else:
         torch.testing.assert_close(ref_w, w.to(getattr(torch, fmt)).float())
-    for m in (1, 2, 3, 8, 17):  # every register tile shape, with AVX-512 and with AVX2
+    for m in (1, 2, 3, 7, 8, 10, 17):  # every register tile shape and AVX2's sweeps of two shapes (7-10 rows)
         x = torch.randn(m, kdim, generator=g)
         torch.testing.assert_close(k.linear_packed(x, pw.data, n, pw.scale, b, None), F.linear(x, ref_w, b),
                                    rtol=1e-4, atol=1e-3)
@@ -139,6 +139,17 @@ def test_packed_linear_equals_the_weight_it_stands_for(k, fmt, kdim, n):
         expected = res + F.linear(x, ref_w)
         k.linear_packed(x, pw.data, n, pw.scale, None, res)
         torch.testing.assert_close(res, expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_packed_linear_row_bits_do_not_depend_on_the_batch(k, fmt):
+    # every tile shape (and AVX2's sweeps of two shapes over 7-10 rows) sums each output over k in the same order
+    g = torch.Generator().manual_seed(7)
+    pw = pack_weight(torch.randn(130, 576, generator=g), fmt)
+    x = torch.randn(17, 576, generator=g)
+    alone = torch.cat([k.linear_packed(x[r:r + 1], pw.data, 130, pw.scale, None, None) for r in range(17)])
+    for m in range(2, 18):
+        assert torch.equal(k.linear_packed(x[:m], pw.data, 130, pw.scale, None, None), alone[:m]), m
 
 
 def test_packed_linear_without_input_features_gives_its_bias(k):
