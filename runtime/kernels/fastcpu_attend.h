@@ -13,6 +13,9 @@ constexpr int kMaxDim = 256;
 // model) measured fastest for a 5-token draft at 1.5k context — 7.3 ms over 30 layers against 11.6 one token
 // at a time; 15 at once spills the accumulators and is no faster.
 constexpr int kSegmentHeads = 9;
+// Query heads one call may attend: a segment's (at most kMaxGroup), or those of several rows whose slots agree over
+// the call's range (share_ranges, fastcpu_attention.cpp): a batch of 8 rows of a 3-group model in one AVX2 call.
+constexpr int kMaxCallHeads = 24;
 constexpr int64_t kRange = 256;  // KV positions of one work item (a row's ranges start at 0, kRange, ...)
 constexpr int64_t kPrefetch = 2 * kTile;  // how far ahead the K and V rows are fetched (prefetch_row)
 

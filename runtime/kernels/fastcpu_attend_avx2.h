@@ -160,7 +160,7 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
                        float scale, const int64_t* hi, float* m_out, float* l_out, float* acc_out) {
   constexpr bool kInt8 = std::is_same_v<KV, int8_t>;
   const int64_t n = j1 - j0, pf_len = prefetch_length<KV>(head_off, slot_stride, d);
-  alignas(64) float s[kMaxGroup][kRange];
+  alignas(64) float s[kMaxCallHeads][kRange];
   alignas(64) float k_scale[kRange];
   const auto offset_of = [&](int64_t j) { return slots[j] * slot_stride + head_off; };  // position j's row, either pool
   int64_t offset[kRange];  // found in the scores' pass, read again in the values'
@@ -189,7 +189,7 @@ void attend_range_avx2(const float* q, int64_t group, int64_t d, const KV* k_poo
     }
     // the weights: an int8 tile's with each row's scale in them (a whole tile's, 8 at a time), a float tile's the
     // probabilities themselves
-    alignas(32) float scaled[kInt8 ? kMaxGroup : 1][kTile];
+    alignas(32) float scaled[kInt8 ? kMaxCallHeads : 1][kTile];
     if constexpr (kInt8)
       for (int64_t g = 0; g < group; ++g)
         for (int t = 0; t < kTile; t += 8)

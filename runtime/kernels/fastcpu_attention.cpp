@@ -189,6 +189,61 @@ std::vector<Segment> segments(const int64_t* which, const int64_t* lens, int64_t
   return out;
 }
 
+// A work item: one range of positions for the query heads of one segment, or of several segments whose rows hold
+// the same slots over the range (requests under a shared cached prefix: a few-shot batch, parallel samples). The
+// range's K and V rows are then addressed and fetched once for all of them, and each head's pass finds them in L1.
+// A head's arithmetic does not depend on the heads it shares a call with (attend_range's contract), so sharing
+// changes no bit.
+struct Item {
+  int64_t sp = 0, j0 = 0, j1 = 0, heads = 0, count = 0;
+  int64_t seg[kMaxCallHeads] = {};
+};
+
+// The most query heads share_ranges puts in one call. The AVX2 kernel scores a tile's rows one pass of heads at a
+// time from L1, so more heads only amortise the rows' addressing and fetches: 8 rows of 3 heads under a shared
+// 1,050-position prefix (fp32 pool, 30 layers from memory, Zen 3) took 0.74x the time of a call per row with 3 rows
+// (9 heads) to a call, 0.93x that with 5 (15), and 0.94x again with all 8 (24). The register-tiled kernels are
+// compiled for shapes up to kSegmentHeads, the most a several-token draft measured fastest with.
+inline int64_t max_shared_heads(int64_t nv) {
+#ifndef __AVX512F__
+  if (nv == 4 || nv == 8) return kMaxCallHeads;  // pick_attend's AVX2 kernel
+#endif
+  (void)nv;
+  return kSegmentHeads;
+}
+
+// Items of every (segment, range), ranges in order: a segment joins an earlier item of its range when their ranges
+// end at the same position and their rows' slots over it are equal, as long as the heads fit one call.
+std::vector<Item> share_ranges(const std::vector<Segment>& segs, int64_t splits, int64_t group, int64_t nv,
+                               const int64_t* idx, const int64_t* which, int64_t width) {
+  const int64_t cap = max_shared_heads(nv);
+  std::vector<Item> items;
+  const auto slots_of = [&](int64_t s) { return idx + (which ? which[segs[s].first] : segs[s].first) * width; };
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const size_t open = items.size();  // this range's items start here
+    for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
+      const Segment& seg = segs[s];
+      const int64_t j0 = std::min(seg.max_len, sp * kRange), j1 = std::min(seg.max_len, j0 + kRange);
+      const int64_t heads = seg.count * group;
+      const int64_t* mine = slots_of(s) + j0;
+      Item* into = nullptr;
+      for (size_t i = open; i < items.size() && j0 < j1 && into == nullptr; ++i) {
+        Item& it = items[i];
+        if (it.j0 == j0 && it.j1 == j1 && it.heads + heads <= cap &&
+            std::equal(mine, mine + (j1 - j0), slots_of(it.seg[0]) + j0))
+          into = &it;
+      }
+      if (into == nullptr) {
+        items.push_back({sp, j0, j1, 0, 0, {}});
+        into = &items.back();
+      }
+      into->seg[into->count++] = s;
+      into->heads += heads;
+    }
+  }
+  return items;
+}
+
 // q: float32, contiguous; the output is written in out_dtype (float32 or bfloat16: the model's activations).
 template <typename KV>
 std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_pool,
@@ -243,37 +298,38 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   const int64_t row = d + (std::is_same_v<KV, int8_t> ? 4 : 0);  // a head's row: its values (and int8 scale)
   const int64_t slot_stride = hkv * row;
   const std::vector<Segment> segs = segments(which, lens, b, group);
-  const int64_t nseg = static_cast<int64_t>(segs.size());
-  // A work item is one range of one segment, all KV heads in turn: the heads' values of a KV position are side
-  // by side in its slot, so the later heads find the range's slots in cache (one measurement, a batch-1 step
+  // A work item is one range of one or more segments, all KV heads in turn: the heads' values of a KV position are
+  // side by side in its slot, so the later heads find the range's slots in cache (one measurement, a batch-1 step
   // over a 1k-token context from memory: 1.56 -> 1.38 ms over 30 layers against one item per head).
-  const auto item_cost = [&](int64_t item) {  // positions of the range times the query heads that attend them
-    const Segment& seg = segs[item / splits];
-    const int64_t j0 = std::min(seg.max_len, (item % splits) * kRange);
-    return (std::min(seg.max_len, j0 + kRange) - j0) * seg.count + 1;  // + 1: an empty range still costs a little
+  const std::vector<Item> items = share_ranges(segs, splits, group, d / 16, idx, which, width);
+  const auto item_cost = [&](int64_t i) {  // positions of the range times the query heads that attend them
+    return (items[i].j1 - items[i].j0) * items[i].heads + 1;  // + 1: an empty range still costs a little
   };
-  parallel_by_cost(nseg * splits, item_cost, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(kMaxGroup * d), ms(kMaxGroup), ls(kMaxGroup), accs(kMaxGroup * d);
-    int64_t hi[kMaxGroup];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t sp = item % splits;
-      const Segment& seg = segs[item / splits];
-      const int64_t j0 = std::min(seg.max_len, sp * kRange), j1 = std::min(seg.max_len, j0 + kRange);
-      const int64_t heads = seg.count * group;
-      const int64_t* slots = idx + (which ? which[seg.first] : seg.first) * width;
-      const AttendFn<KV> attend = pick_attend<KV>(heads, d / 16, bf16_queries);
-      for (int64_t i = 0; i < seg.count; ++i)  // each token's length, for each of its query heads
-        for (int64_t g = 0; g < group; ++g) hi[i * group + g] = lens[seg.first + i];
+  parallel_by_cost(static_cast<int64_t>(items.size()), item_cost, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(kMaxCallHeads * d), ms(kMaxCallHeads), ls(kMaxCallHeads), accs(kMaxCallHeads * d);
+    int64_t hi[kMaxCallHeads];
+    for (int64_t n = begin; n < end; ++n) {
+      const Item& it = items[n];
+      const int64_t sp = it.sp, j0 = it.j0, j1 = it.j1;
+      const Segment& lead = segs[it.seg[0]];
+      const int64_t* slots = idx + (which ? which[lead.first] : lead.first) * width;
+      const AttendFn<KV> attend = pick_attend<KV>(it.heads, d / 16, bf16_queries);
+      // the item's tokens in turn (each segment's consecutive tokens), each with its length for its query heads
+      int64_t token[kMaxCallHeads], tokens = 0;
+      for (int64_t m = 0; m < it.count; ++m)
+        for (int64_t i = 0; i < segs[it.seg[m]].count; ++i) token[tokens++] = segs[it.seg[m]].first + i;
+      for (int64_t i = 0; i < tokens; ++i)
+        for (int64_t g = 0; g < group; ++g) hi[i * group + g] = lens[token[i]];
       for (int64_t kvh = 0; kvh < hkv; ++kvh) {
-        for (int64_t i = 0; i < seg.count; ++i) {  // this KV head's query heads of each token, side by side
-          const float* qr = qp + ((seg.first + i) * h + kvh * group) * d;
+        for (int64_t i = 0; i < tokens; ++i) {  // this KV head's query heads of each token, side by side
+          const float* qr = qp + (token[i] * h + kvh * group) * d;
           std::copy(qr, qr + group * d, qs.data() + i * group * d);
         }
         if (j0 < j1)
-          attend(qs.data(), heads, d, kp, vp, slot_stride, kvh * row, slots, j0, j1, static_cast<float>(scale), hi,
+          attend(qs.data(), it.heads, d, kp, vp, slot_stride, kvh * row, slots, j0, j1, static_cast<float>(scale), hi,
                  ms.data(), ls.data(), accs.data());
-        for (int64_t i = 0; i < seg.count; ++i) {
-          const int64_t r = seg.first + i, base = (r * splits + sp) * h + kvh * group;
+        for (int64_t i = 0; i < tokens; ++i) {
+          const int64_t r = token[i], base = (r * splits + sp) * h + kvh * group;
           for (int64_t g = 0; g < group; ++g) {
             const int64_t x = i * group + g;
             const bool empty = j0 >= std::min(lens[r], j1);  // no position of this range for this token

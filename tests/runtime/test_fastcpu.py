@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radix.kv_int8 import quantize
 from runtime.attention.base import AttentionShape
 from runtime.attention.torch_native import TorchNativeBackend
 from runtime.config import ServerArgs, aten_cpu_capability, cpu_flags, cpu_has_native_bf16
@@ -117,6 +118,41 @@ def test_tokens_of_one_request_attended_together_equal_each_alone(k, dtype, q_dt
         scores = torch.einsum("hd,nhd->hn", q[t].float(), keys) * dim**-0.5
         torch.testing.assert_close(out[t].float(), torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), vals),
                                    rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_rows_under_a_shared_prefix_equal_each_alone(k, fmt, q_dtype, heads, kv_heads, dim):
+    # Requests under one cached prefix hold the same slots for it; the kernel attends their rows together over each
+    # range where the slots agree (one call, the range fetched once), and each token's result must be the bits it
+    # gets alone. Tables: 9 rows under an 800-position prefix (ranges 0-767 shared, then their own positions), two
+    # of them identical (every range shared), one under only 300 of it, and a two-token draft of one of the rows.
+    g = torch.Generator().manual_seed(3)
+    pool, prefix = 6000, 800
+    if fmt == "int8":
+        k_pool, v_pool = (quantize(torch.randn(pool, kv_heads, dim, generator=g)).view(pool, -1) for _ in range(2))
+    else:
+        k_pool, v_pool = kv_pools(g, pool, kv_heads * dim, getattr(torch, fmt))
+    slots = torch.randperm(pool, generator=g)
+    own = [1, 5, 40, 300, 17, 1, 9, 64]
+    lengths = [prefix + n for n in own] + [prefix + own[-1], 320]
+    index = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    at = prefix
+    for r, n in enumerate(lengths):
+        shared = 300 if r == len(lengths) - 1 else prefix
+        index[r, :shared] = slots[:shared]
+        index[r, shared:n] = slots[at : at + n - shared]
+        at += n - shared
+    index[len(own)] = index[len(own) - 1]  # the same request's row twice: its last range shared too
+    rows = torch.tensor([*range(len(lengths)), 2, 2])
+    lens = torch.tensor([*lengths, lengths[2] - 1, lengths[2]])
+    q = torch.randn(len(rows), heads, dim, generator=g).to(q_dtype)
+    out, lse = k.decode_attention(q, k_pool, v_pool, index, rows, lens, dim**-0.5, kv_heads)
+    for t in range(len(rows)):
+        alone, alone_lse = k.decode_attention(q[t : t + 1], k_pool, v_pool, index[rows[t] : rows[t] + 1], None,
+                                              lens[t : t + 1], dim**-0.5, kv_heads)
+        assert torch.equal(alone[0], out[t]) and torch.equal(alone_lse[0], lse[t]), t
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
