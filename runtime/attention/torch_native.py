@@ -124,16 +124,16 @@ class TorchNativeBackend(AttentionBackend):
     def groups_pay(self, batch: ForwardBatch) -> bool:
         """Whether this batch's requests that share a cached prefix are worth grouping (the policy then says which).
 
-        Not a decode batch over an int8 pool whose shared parts would go through SDPA (no bf16 GEMM kernel: CPUs
-        without AVX512_BF16): there a group's shared part needs the pool's prefix dequantised in every layer, and
-        grouped rows stay out of the native decode stack, while each row reading the prefix in place finds it in
-        cache after the first. `radixserve bench profile --server-args '--quantization int8 --kv-cache-dtype
-        int8'` on a 2-core Zen 3 host, alternated: the batch-8 few-shot decode step took 59-70 ms grouped, 40 ms
-        not. Its mixed steps, whose prompts attend the shared block together, keep their groups (500-550 ms
-        grouped, 560-650 not)."""
+        Not a decode batch whose shared parts would go through SDPA (no GEMM kernel for its pool: an fp32 or int8
+        pool, or any pool on a CPU without AVX512_BF16). There grouped rows stay out of the native decode stack, and
+        an int8 pool's prefix is dequantised in every layer, while the in-place kernel attends rows that hold the
+        same slots over a range in one call, fetching the range once for all of them. `radixserve bench profile`
+        on a 2-core Zen 3 host, grouping alternated: over an int8 pool the batch-8 few-shot decode step took 59-70
+        ms grouped, 40 ms not; over an fp32 pool, before the kernel shared ranges, 45-50 ms grouped and 41-44 not.
+        Mixed steps, whose prompts attend the shared block together, keep their groups (int8: 500-550 ms grouped,
+        560-650 not)."""
         paged = self.paged
-        return (paged is None or batch.mode is not ForwardMode.DECODE or not batch.kv.shape.int8
-                or paged.gemm_shared(batch.kv.shape.dtype))
+        return paged is None or batch.mode is not ForwardMode.DECODE or paged.gemm_shared(batch.kv.shape.dtype)
 
     def decode_in_place(self, batch: ForwardBatch) -> InPlaceDecode | None:
         """For a planned batch whose rows read the pool in place and whose new K/V rows the store kernel takes: decode

@@ -257,8 +257,10 @@ def reference(batch: ForwardBatch, q: torch.Tensor, shape: AttentionShape) -> to
 
 
 def run_both(pool: SlotPool, work: Sequence[tuple[str, int]], shape: AttentionShape,
-             policy: CascadePolicy = ALWAYS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchNativeMetadata]:
-    """(cascade on, cascade off, float64 reference) outputs for one batch, and the cascade plan."""
+             policy: CascadePolicy = ALWAYS,
+             in_place: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TorchNativeMetadata]:
+    """(cascade on, cascade off, float64 reference) outputs for one batch, and the cascade plan (``in_place``: the
+    cascade-on backend reads the pool with the in-place kernels, else it gathers)."""
     batch = pool.batch(work)
     t = batch.num_tokens
     dtype = pool.kv.shape.dtype
@@ -266,7 +268,8 @@ def run_both(pool: SlotPool, work: Sequence[tuple[str, int]], shape: AttentionSh
     k = torch.randn(t, shape.num_kv_heads, shape.head_dim, generator=pool.gen).to(dtype)
     v = torch.randn(t, shape.num_kv_heads, shape.head_dim, generator=pool.gen).to(dtype)
     outs, metas = [], []
-    for backend in (TorchNativeBackend(shape, cascade=policy), TorchNativeBackend(shape, cascade=None)):
+    for backend in (TorchNativeBackend(shape, cascade=policy, in_place_decode=in_place),
+                    TorchNativeBackend(shape, cascade=None)):
         batch.attn_metadata = None
         backend.plan(batch)
         metas.append(batch.attn_metadata)
@@ -284,10 +287,15 @@ def _groups(meta: TorchNativeMetadata) -> list[tuple[int, int]]:
 SHAPES = [AttentionShape(9, 3, 64), AttentionShape(4, 1, 32), AttentionShape(4, 4, 16)]
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather"])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s.num_heads}h{s.num_kv_heads}kv{s.head_dim}d")
-def test_decode_groups_match(shape: AttentionShape, page_size: int, scattered: bool) -> None:
+def test_decode_groups_match(shape: AttentionShape, page_size: int, scattered: bool, in_place: bool) -> None:
+    """Decode rows under shared prefixes. The gather path groups them; the in-place kernel, which attends the rows
+    that hold the same slots over a range in one call, takes them ungrouped over an fp32 pool (no GEMM kernel for
+    the shared part: TorchNativeBackend.groups_pay). Either way each row's result is the reference's."""
+    grouped = not in_place or TorchNativeBackend(shape).paged is None
     pool = SlotPool(shape, page_size, scattered=scattered)
     pool.cached("a0", 300)
     for i in range(1, 5):  # a: 5 requests under a 288-token prefix, private tails of different lengths
@@ -297,14 +305,15 @@ def test_decode_groups_match(shape: AttentionShape, page_size: int, scattered: b
     pool.cached("s", 500)  # alone, longest context
     pool.cached("t", 33, "a0", 32)  # shares 32 slots with a: below min_prefix, stays alone
     work = [("a3", 1), ("s", 1), ("b1", 1), ("a0", 1), ("a1", 1), ("t", 1), ("b0", 1), ("a2", 1), ("a4", 1)]
-    on, off, ref, meta = run_both(pool, work, shape, CascadePolicy(min_prefix=40, min_saved_tokens=40))
-    assert _groups(meta) == [(5, 288), (2, 48)]
+    on, off, ref, meta = run_both(pool, work, shape, CascadePolicy(min_prefix=40, min_saved_tokens=40), in_place)
+    assert _groups(meta) == [(5, 288), (2, 48)] if grouped else meta.cascade is None
     torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(off.double(), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
     # All requests in one group, in batch order: the path without any row shuffling.
-    on, off, ref, meta = run_both(pool, [(f"a{i}", 1) for i in range(5)], shape)
-    assert _groups(meta) == [(5, 288)] and meta.cascade is not None and meta.cascade.rows is None
+    on, off, ref, meta = run_both(pool, [(f"a{i}", 1) for i in range(5)], shape, in_place=in_place)
+    if grouped:
+        assert _groups(meta) == [(5, 288)] and meta.cascade is not None and meta.cascade.rows is None
     torch.testing.assert_close(on.double(), ref, atol=1e-5, rtol=0)
 
 
@@ -394,11 +403,15 @@ def test_model_over_shared_prefix_matches_hf(hf_checkpoints, arch: str, page_siz
         _share(driver, "sys", rid, shared)
     work = [("a", _ids(2, 7)), ("sys", _ids(3, 1)), ("x", _ids(4, 9)), ("b", _ids(5, 1)), ("c", _ids(6, 12))]
     ours: dict[str, list[tuple[int, torch.Tensor]]] = {rid: [] for rid, _ in work}  # (first position, logits)
-    for _ in range(4):  # one mixed batch (suffix prefills + decodes under the prefix), then decodes
+    for step in range(4):  # one mixed batch (suffix prefills + decodes under the prefix), then decodes
         fb = driver.batch(work)
         logits = torch.split(model.compute_logits(model.forward(fb)), fb.extend_lens_cpu)
         meta = fb.attn_metadata
-        assert meta.cascade is not None and [p.prefix_len for p in meta.cascade.shared] == [shared]
+        # decode batches group where the backend's rule says they pay (else the in-place kernel shares the ranges)
+        if step == 0 or backend.groups_pay(fb):
+            assert meta.cascade is not None and [p.prefix_len for p in meta.cascade.shared] == [shared]
+        else:
+            assert meta.cascade is None
         for (rid, _), got, pre in zip(work, logits, fb.prefix_lens_cpu):
             ours[rid].append((pre, got))
         work = [(rid, [int(got[-1].argmax())]) for (rid, _), got in zip(work, logits)]
