@@ -54,12 +54,14 @@ def extend(k: Any, new: int, prefix: int, g: torch.Generator) -> dict[str, float
 
 
 def decode_step(batch: int, context: int, layers: int, g: torch.Generator,
-                fmt: str = "bfloat16") -> Callable[[Any], None]:
+                fmt: str = "bfloat16", shared: int = 0) -> Callable[[Any], None]:
     """A decode step's attention over ``layers`` layers' own pools in ``fmt`` (see :func:`pools`): ``batch`` rows
-    of ``context`` positions, run by the kernel module it is given (bench_kernel_ab.py hands it two builds in
-    turn). Queries are fp32 over an fp32 pool, bf16 otherwise (a bf16 model's)."""
-    layer_pools = [pools(batch * context + 64, g, fmt) for _ in range(layers)]
-    index = torch.arange(batch * context).view(batch, context)
+    of ``context`` positions, the first ``shared`` of them the same slots in every row (requests under one cached
+    prefix), run by the kernel module it is given (bench_kernel_ab.py hands it two builds in turn). Queries are
+    fp32 over an fp32 pool, bf16 otherwise (a bf16 model's)."""
+    own = context - shared
+    layer_pools = [pools(shared + batch * own + 64, g, fmt) for _ in range(layers)]
+    index = torch.stack([torch.cat([torch.arange(shared), shared + r * own + torch.arange(own)]) for r in range(batch)])
     lengths = torch.full((batch,), context)
     q = torch.randn(batch, HEADS, DIM, generator=g)
     q = q if fmt == "float32" else q.bfloat16()

@@ -11,7 +11,8 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
 
 - decode attention over 1,065 positions for batches of 1 and 8, 30 layers' pools (read from memory), and one
   layer's pool 30 times (in cache); the same over int8 KV pools (``--kv-cache-dtype int8``'s format) and over fp32
-  pools with fp32 queries (an fp32 model's: the portable kernel);
+  pools with fp32 queries (an fp32 model's: the portable kernel); batch 8 under a 1,050-slot prefix every row's
+  table shares (a few-shot batch without a cascade group), over fp32 and int8 pools;
 - a cascade group's shared part: 1, 4, 8 and 16 decode rows against a kept 1,050-key pack, 30 layers;
 - prefill chunks through the same kernel (packed per call): a ~20-token question after a 1,050-token block, 170
   tokens after it, a cold 1,024-token chunk;
@@ -25,7 +26,7 @@ Cases, on SmolLM2-135M's shapes (9 query heads, 3 KV heads, head dim 64, bf16 po
   weights over a bf16 pool, and int8 weights over an int8 pool; at batch 1, bf16 weights, and int8 weights over
   an int8 pool; on CPUs without AVX512_BF16 (no cascade groups there), batches of 1 and 8 over 1,091 own positions
   each, fp32 weights and activations over an fp32 pool (the default format there) and int8 weights over an int8
-  pool;
+  pool, and batch 8 under a 1,050-slot prefix in every row's table (a few-shot batch, no group) in both formats;
 - the sampler's greedy argmax of 8 logits rows over 49,152 tokens (``torch.max`` for a build without
   ``argmax_rows``);
 - the element-wise kernels of 30 layers (two RMSNorms and one SiLU·mul each) at 1, 8 and 1,024 rows.
@@ -73,8 +74,9 @@ def kernels_at(rev: str, folder: Path) -> ModuleType:
     return build_kernels("fastcpu", folder)
 
 
-def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, fmt: str = "bfloat16") -> Case:
-    step = decode_step(batch, CONTEXT, layers, g, fmt)
+def decode_case(batch: int, layers: int, repeats: int, g: torch.Generator, fmt: str = "bfloat16",
+                shared: int = 0) -> Case:
+    step = decode_step(batch, CONTEXT, layers, g, fmt, shared)
 
     def run(k: ModuleType) -> None:
         for _ in range(repeats):
@@ -153,19 +155,21 @@ def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, a
 
 
 def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050, own: int = 40,
-               kv: str = "bfloat16", shared: bool = True) -> Case:
+               kv: str = "bfloat16", rows: str = "group") -> Case:
     """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows with ``own`` positions
-    each under one shared ``prefix`` (packed once per build, as the backend keeps it), or with ``prefix`` positions
-    of their own more where not ``shared`` (no cascade group: a CPU without the GEMM kernel); ``fmt`` weights, a
-    ``kv`` pool. Activations in bf16 under a group (a bf16 model's, where the GEMM kernel is built), else in fp32
-    (the model of a CPU without AVX512_BF16), with a pool in the activations' dtype or int8."""
+    each under one shared ``prefix``, either as a cascade group (``rows="group"``: the prefix packed once per build,
+    as the backend keeps it) or in each row's table (``"shared"``: no group, the rows' slots for the prefix the
+    same, as a CPU without the GEMM kernel runs them), or with ``prefix`` positions of their own more (``"own"``);
+    ``fmt`` weights, a ``kv`` pool. Activations in bf16 under a group (a bf16 model's, where the GEMM kernel is
+    built), else in fp32 (the model of a CPU without AVX512_BF16), with a pool in the activations' dtype or int8."""
     layout = {"int8": "vnni", "bfloat16": "bf16pair", "float32": "kmajor"}[fmt]
-    act = torch.bfloat16 if shared else torch.float32
+    grouped = rows == "group"
+    act = torch.bfloat16 if grouped else torch.float32
     hidden = LINEAR_SHAPES[0][1]
     weights = [[pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, layout) for n, kk in LINEAR_SHAPES]
                for _ in range(LAYERS)]
     norms = [(torch.ones(hidden, dtype=act), torch.ones(hidden, dtype=act)) for _ in range(LAYERS)]
-    length = own + 1 if shared else prefix + own + 1  # each row's own positions
+    length = prefix + own + 1 if rows == "own" else own + 1  # each row's own positions
     slots = prefix + batch * length + 64
     layer_pools = [pools(slots, g, kv) for _ in range(LAYERS)]
     # [layers, slots, kv_heads, row] as KVStorage holds them (row: DIM, or DIM + 4 for the int8 format)
@@ -174,7 +178,9 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
     packs = functools.cache(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared_index,
                                                      KV_HEADS, DIM) for i in range(LAYERS)])
     kv_index = torch.stack([prefix + r * length + torch.arange(length) for r in range(batch)])
-    lengths = torch.full((batch,), length, dtype=torch.int64)
+    if rows == "shared":
+        kv_index = torch.cat([shared_index.expand(batch, prefix), kv_index], 1)
+    lengths = torch.full((batch,), kv_index.shape[1], dtype=torch.int64)
     new_slots = kv_index[:, -1].contiguous()
     angle = torch.rand(batch, DIM, generator=g)
     cos, sin = angle.cos().to(act), angle.sin().to(act)
@@ -188,7 +194,7 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
                 stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
                                 [None] * 4)
             groups = [k.SharedGroup(0, batch, shared_index, torch.full((batch,), prefix, dtype=torch.int64),
-                                    [list(p) for p in packs(k)])] if shared else []
+                                    [list(p) for p in packs(k)])] if grouped else []
             built[id(k)] = (stack, groups)
         stack, groups = built[id(k)]
         stack.run(x.clone(), cos, sin, new_slots, kv_index, lengths, k_buf, v_buf, groups)
@@ -235,6 +241,9 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
         "decode attention over a float32 pool, batch 1, one layer x30 in cache":
             decode_case(1, 1, LAYERS, g, "float32"),
     }
+    for fmt, pool in (("float32", "a float32 pool"), ("int8", "an int8 pool")):  # a few-shot batch, no group
+        out[f"decode attention over {pool}, batch 8 under a 1,050-slot shared prefix, 30 layers"] = decode_case(
+            8, LAYERS, 1, g, fmt, shared=1050)
     for rows in (8, 160):  # 160: 7 few-shot questions prefilled after their shared block
         out[f"cascade merge, {rows} rows, 30 layers"] = merge_case(rows, g)
     if k_this.bf16_dot():
@@ -267,10 +276,15 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
     if not k_this.bf16_dot():  # no cascade groups: each row attends its 1,091 positions in the pool
         for batch in (1, 8):
             out[f"decode stack, batch {batch} over 1,091 own positions, fp32 weights, fp32 pool"] = stack_case(
-                "float32", g, batch, kv="float32", shared=False)
+                "float32", g, batch, kv="float32", rows="own")
             if k_this.int8_dot():
                 out[f"decode stack, batch {batch} over 1,091 own positions, int8 weights, int8 pool"] = stack_case(
-                    "int8", g, batch, kv="int8", shared=False)
+                    "int8", g, batch, kv="int8", rows="own")
+        out["decode stack, batch 8 under a 1,050-slot shared prefix, no group, fp32 weights, fp32 pool"] = stack_case(
+            "float32", g, kv="float32", rows="shared")
+        if k_this.int8_dot():
+            out["decode stack, batch 8 under a 1,050-slot shared prefix, no group, int8 weights, int8 pool"] = (
+                stack_case("int8", g, kv="int8", rows="shared"))
     out["greedy argmax, 8 x 49,152 logits"] = argmax_case(g)
     for rows in (1, 8, 1024):
         out[f"RMSNorm x2 and SiLU·mul of 30 layers, {rows} row(s)"] = small_ops_case(rows, g)
