@@ -153,8 +153,9 @@ inline void rows_of_panel(const float* x, int64_t ldx, int64_t k, const W* panel
                           const float* scale, const float* bias, bool accumulate) {
   constexpr int kColumns = columns_per_pass(MR), kColumns2 = MR2 > 0 ? columns_per_pass(MR2) : 0;
   constexpr int kPasses = passes_per_panel(MR), kPasses2 = passes_per_panel(MR2);
-  constexpr int64_t kAhead = kPasses + kPasses2 == 1 ? kLoneAheadRows : kPrefetchRows * kPasses;
-  const int64_t block = kPasses + kPasses2 == 1 ? k : kAhead;
+  constexpr bool kLone = kPasses + kPasses2 == 1;  // one pass in all: the whole panel is one block
+  constexpr int64_t kAhead = kLone ? kLoneAheadRows : kPrefetchRows * kPasses;
+  const int64_t block = kLone ? k : kAhead;
   alignas(64) float sums[MR + MR2][kPanel];
   if (k == 0) std::fill(&sums[0][0], &sums[0][0] + (MR + MR2) * kPanel, 0.f);  // no k rows: no block sets the sums
   for (int64_t k0 = 0; k0 < k; k0 += block) {
