@@ -196,6 +196,7 @@ std::vector<Segment> segments(const int64_t* which, const int64_t* lens, int64_t
 // changes no bit.
 struct Item {
   int64_t sp = 0, j0 = 0, j1 = 0, heads = 0, count = 0;
+  const int64_t* slots = nullptr;  // the first segment's row of the table, read for all of them
   int64_t seg[kMaxCallHeads] = {};
 };
 
@@ -218,23 +219,23 @@ std::vector<Item> share_ranges(const std::vector<Segment>& segs, int64_t splits,
                                const int64_t* idx, const int64_t* which, int64_t width) {
   const int64_t cap = max_shared_heads(nv);
   std::vector<Item> items;
-  const auto slots_of = [&](int64_t s) { return idx + (which ? which[segs[s].first] : segs[s].first) * width; };
   for (int64_t sp = 0; sp < splits; ++sp) {
     const size_t open = items.size();  // this range's items start here
     for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
       const Segment& seg = segs[s];
       const int64_t j0 = std::min(seg.max_len, sp * kRange), j1 = std::min(seg.max_len, j0 + kRange);
       const int64_t heads = seg.count * group;
-      const int64_t* mine = slots_of(s) + j0;
+      const int64_t* row = idx + (which ? which[seg.first] : seg.first) * width;  // the segment's table row
+      const int64_t* mine = row + j0;
       Item* into = nullptr;
       for (size_t i = open; i < items.size() && j0 < j1 && into == nullptr; ++i) {
         Item& it = items[i];
         if (it.j0 == j0 && it.j1 == j1 && it.heads + heads <= cap &&
-            std::equal(mine, mine + (j1 - j0), slots_of(it.seg[0]) + j0))
+            std::equal(mine, mine + (j1 - j0), it.slots + j0))
           into = &it;
       }
       if (into == nullptr) {
-        items.push_back({sp, j0, j1, 0, 0, {}});
+        items.push_back({sp, j0, j1, 0, 0, row, {}});
         into = &items.back();
       }
       into->seg[into->count++] = s;
@@ -311,8 +312,6 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
     for (int64_t n = begin; n < end; ++n) {
       const Item& it = items[n];
       const int64_t sp = it.sp, j0 = it.j0, j1 = it.j1;
-      const Segment& lead = segs[it.seg[0]];
-      const int64_t* slots = idx + (which ? which[lead.first] : lead.first) * width;
       const AttendFn<KV> attend = pick_attend<KV>(it.heads, d / 16, bf16_queries);
       // the item's tokens in turn (each segment's consecutive tokens), each with its length for its query heads
       int64_t token[kMaxCallHeads], tokens = 0;
@@ -326,8 +325,8 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
           std::copy(qr, qr + group * d, qs.data() + i * group * d);
         }
         if (j0 < j1)
-          attend(qs.data(), it.heads, d, kp, vp, slot_stride, kvh * row, slots, j0, j1, static_cast<float>(scale), hi,
-                 ms.data(), ls.data(), accs.data());
+          attend(qs.data(), it.heads, d, kp, vp, slot_stride, kvh * row, it.slots, j0, j1, static_cast<float>(scale),
+                 hi, ms.data(), ls.data(), accs.data());
         for (int64_t i = 0; i < tokens; ++i) {
           const int64_t r = token[i], base = (r * splits + sp) * h + kvh * group;
           for (int64_t g = 0; g < group; ++g) {
