@@ -303,10 +303,11 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
   // side by side in its slot, so the later heads find the range's slots in cache (one measurement, a batch-1 step
   // over a 1k-token context from memory: 1.56 -> 1.38 ms over 30 layers against one item per head).
   const std::vector<Item> items = share_ranges(segs, splits, group, d / 16, idx, which, width);
-  const auto item_cost = [&](int64_t i) {  // positions of the range times the query heads that attend them, and
-    // each position's own work (its rows' addresses, fetches and softmax: about 4 heads' worth, from one item of 3 heads
-    // and one of 24 over 256 positions on one core of a Zen 3 host)
-    return (items[i].j1 - items[i].j0) * (items[i].heads + 4) + 1;  // + 1: an empty range still costs a little
+  // Each position's own work in an item (its rows' addresses, fetches and softmax), in query heads' worth: from one
+  // item of 3 heads and one of 24 over 256 positions on one core of a Zen 3 host.
+  constexpr int64_t kPositionHeads = 4;
+  const auto item_cost = [&](int64_t i) {  // positions of the range times the heads that attend them, and their own
+    return (items[i].j1 - items[i].j0) * (items[i].heads + kPositionHeads) + 1;  // + 1: an empty range costs a little
   };
   parallel_dealt_by_cost(static_cast<int64_t>(items.size()), item_cost, [&](const int64_t* dealt, int64_t count) {
     std::vector<float> qs(kMaxCallHeads * d), ms(kMaxCallHeads), ls(kMaxCallHeads), accs(kMaxCallHeads * d);
