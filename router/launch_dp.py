@@ -1,15 +1,15 @@
 """``radixserve serve --dp N``: N workers and a router on one machine.
 
-The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on the first N
-ports after PORT that are free on 127.0.0.1 (PORT+1 .. PORT+N unless one is taken); the router takes PORT on
-the host the user asked for. With the exact policy each worker also publishes its cache events on the next
-free ports after those. The model is resolved (and the default model converted) once, before any worker
-starts, so N workers never race to convert it. On CPU each worker gets an equal share of the cores unless
---num-threads says otherwise (with --tp M each worker's ranks split that share again). On CUDA worker i sees
-only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i with --tp 1, GPUs i*M .. i*M+M-1 with --tp M, so its
-ranks' GPUs 0..M-1 are the machine's i*M + r. With --tp M > 1 fewer than N*M visible GPUs is a start-up
-error (two ranks would share a GPU, each sizing its KV pool from the same free memory); with --tp 1 and
-fewer than N GPUs the workers share them, as before.
+The workers are ordinary ``radixserve serve`` processes (``python -m runtime.cli serve``) on the first N ports
+after PORT that are free on 127.0.0.1 (PORT+1 .. PORT+N unless one is taken; the launcher holds them until the
+workers listen); the router takes PORT on the host the user asked for. With the exact policy each worker also
+publishes its cache events on the next free ports after those. The model is resolved (and the default model
+converted) once, before any worker starts, so N workers never race to convert it. On CPU each worker gets an
+equal share of the cores unless --num-threads says otherwise (with --tp M each worker's ranks split that share
+again). On CUDA worker i sees only its own GPUs (``CUDA_VISIBLE_DEVICES``): GPU i with --tp 1, GPUs i*M ..
+i*M+M-1 with --tp M, so its ranks' GPUs 0..M-1 are the machine's i*M + r. With --tp M > 1 fewer than N*M visible
+GPUs is a start-up error (two ranks would share a GPU, each sizing its KV pool from the same free memory); with
+--tp 1 and fewer than N GPUs the workers share them, as before.
 
 Each worker runs in its own process group (a terminal's Ctrl-C reaches only this process, which then
 stops the workers in order) and dies with this process (PR_SET_PDEATHSIG) if it is killed outright.
@@ -42,23 +42,41 @@ START_TIMEOUT = 900.0
 PER_WORKER = ("model", "host", "port", "kv_events_port", "served_model_name", "num_threads", "api_key")
 
 
-def free_ports_after(base: int, count: int) -> list[int]:
-    """The first ``count`` ports above ``base`` that 127.0.0.1 can bind now. A port already taken (another
-    server, or a client connection's local port in the ephemeral range) would make a worker fail at start,
-    so the launcher skips it instead of assuming PORT+1.. are free."""
-    ports: list[int] = []
-    port = base
-    while len(ports) < count:
-        port += 1
-        if port > 65535:
-            raise OSError(f"fewer than {count} free ports above {base}")
-        with socket.socket() as s:
+class PortReservation:
+    """The first ``count`` ports above ``base`` that 127.0.0.1 can bind now, held until the workers listen.
+
+    A port already taken (another server, or a client connection's local port in the ephemeral range) would
+    make a worker fail at start, so it is skipped instead of assuming PORT+1.. are free. A worker binds its
+    port only after loading the model, seconds later; a port merely checked could meanwhile become some
+    connection's local port. Each chosen port therefore stays bound here (not listening) until ``close``: the
+    kernel hands out no port that has a bound socket, and SO_REUSEADDR, set after the check, lets the worker's
+    own listener (uvicorn, ZMQ: both set SO_REUSEADDR) bind it beside this holder. The check is a bind without
+    SO_REUSEADDR, so another launcher's held ports count as taken."""
+
+    def __init__(self, base: int, count: int) -> None:
+        self.ports: list[int] = []
+        self._held: list[socket.socket] = []
+        port = base
+        while len(self.ports) < count:
+            port += 1
+            if port > 65535:
+                self.close()
+                raise OSError(f"fewer than {count} free ports above {base}")
+            s = socket.socket()
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
+                s.close()
                 continue
-        ports.append(port)
-    return ports
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._held.append(s)
+            self.ports.append(port)
+
+    def close(self) -> None:
+        """Stop holding the ports (once the workers listen on them, or when the launch is given up)."""
+        for s in self._held:
+            s.close()
+        self._held.clear()
 
 
 def worker_argv(args: ServerArgs, *, model: str, port: int, served: str, num_threads: int | None,
@@ -198,10 +216,11 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
         return 2
     exact = router_args.policy == "exact"
     try:
-        ports = free_ports_after(server_args.port, 2 * dp if exact else dp)
+        reservation = PortReservation(server_args.port, 2 * dp if exact else dp)
     except OSError as exc:
         logger.error("%s", exc)
         return 1
+    ports = reservation.ports
     urls = [f"http://127.0.0.1:{p}" for p in ports[:dp]]
     events = ports[dp:]
     procs: list[subprocess.Popen[Any]] = []
@@ -226,6 +245,7 @@ def launch_dp(server_args: ServerArgs, dp: int, router_args: RouterArgs | None =
             logger.info("%s while starting; stopping the workers", exc)
             return 1
         finally:
+            reservation.close()  # the workers listen on their ports now, or are being stopped
             for s, h in old.items():
                 signal.signal(s, h)  # uvicorn installs its own handlers for the router
         router_args = router_args.copy(

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.launch_dp import free_ports_after, worker_argv, worker_gpus
+from router.launch_dp import PortReservation, worker_argv, worker_gpus
 from runtime.config import ServerArgs
 from tests.server_harness import ROOT, free_port, pid_alive
 
@@ -76,9 +76,34 @@ def test_worker_ports_skip_a_port_already_taken() -> None:
         except OSError:
             pytest.skip("the port after a free one is already taken here")
         held.listen()
-        ports = free_ports_after(base, 3)
-    assert base + 1 not in ports and len(set(ports)) == 3 and all(p > base + 1 for p in ports)
-    assert ports == sorted(ports)
+        reservation = PortReservation(base, 3)
+    try:
+        ports = reservation.ports
+        assert base + 1 not in ports and len(set(ports)) == 3 and all(p > base + 1 for p in ports)
+        assert ports == sorted(ports)
+    finally:
+        reservation.close()
+
+
+def test_reserved_ports_stay_free_for_the_workers_alone() -> None:
+    """Between the choice and the worker's listen, the ports stay bound by the launcher: a second launcher (a
+    plain bind) skips them, while the worker's own listener (SO_REUSEADDR, as uvicorn and ZMQ bind) gets them."""
+    reservation = PortReservation(free_port(), 2)
+    try:
+        for port in reservation.ports:
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+            with socket.socket() as worker:
+                worker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                worker.bind(("127.0.0.1", port))
+                worker.listen()
+        second = PortReservation(reservation.ports[0] - 1, 1)
+        assert second.ports[0] not in reservation.ports
+        second.close()
+    finally:
+        reservation.close()
+    with socket.socket() as after:  # released: anyone may bind them again
+        after.bind(("127.0.0.1", reservation.ports[0]))
 
 
 def test_dp_exits_nonzero_when_workers_cannot_start(tmp_path: Path) -> None:
