@@ -15,7 +15,8 @@
 //   is prefetched a few k rows ahead (the hardware's prefetchers alone left 1.3-1.7x on the table at 8 rows).
 //
 // linear_int8 (fastcpu_int8.cpp): int8 weights times activations quantised per row block, with AVX512-VNNI
-//   integer dot products (AVX512-VNNI, or AVX2 on CPUs without it; int8_dot()).
+//   integer dot products (AVX512-VNNI, or AVX2 on CPUs without it; int8_dot()); on AMX hosts, activations in two
+//   int8 parts with one scale per row, on the tiles (fastcpu_int8_split.h; int8_split()).
 //
 // linear_bf16 (fastcpu_bf16.cpp): bf16 weights times bf16 activations with AVX512_BF16 dot products (two k
 //   values per instruction and lane, no widening of the weights); built only for CPUs that have them.
@@ -511,6 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "x @ W.T (* scale) (+ bias) (+= out) over a packed weight");
   m.def("linear_int8", &linear_int8, "x @ W.T over int8 weights in the vnni layout, x quantised per row block");
   m.def("int8_vnni", &int8_vnni, "whether the int8 KV pool's attention uses VNNI dot products (AVX512-VNNI)");
+  m.def("int8_split", &int8_split, "whether linear_int8 multiplies rows of k values as two-part activations with one "
+        "scale per row (AMX), rather than per-block ones");
   m.def("int8_dot", &int8_dot, "whether linear_int8 was built (AVX512-VNNI, or AVX2 on CPUs without it)");
   m.def("linear_bf16", &linear_bf16, "x @ W.T over bf16-pair-packed weights with bf16 dot products");
   // the overload without a fetch plan (the one with one is the decode stack's)

@@ -57,20 +57,29 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// The bf16 tile kernels' step, with their shared tile numbering (0-3 results, 4 the A tile, 6 and 7 B tiles):
-// tiles 0-3 += the A tile (rows `lda` bytes apart from `a`) x the four 16-column slices of a 64-column block of
-// bf16 pairs (slice s at `b` + 64 s bytes, its rows `ldb` bytes apart), loaded into tiles 6 and 7 in turn.
-inline void bf16_products_x4(const void* a, int64_t lda, const void* b, int64_t ldb) {
+// What one tile product multiplies: bf16 pairs into fp32 (TDPBF16PS), or signed by unsigned bytes into int32
+// (TDPBSUD: activations by the offset weights of linear_int8).
+enum class TileDot { kBf16, kInt8 };
+
+// The tile kernels' step, with their shared tile numbering (0-3 results, 4 the A tile, 6 and 7 B tiles): tiles 0-3
+// += the A tile (rows `lda` bytes apart from `a`) x the four 16-column slices of a 64-column block (slice s at
+// `b` + 64 s bytes, its rows `ldb` bytes apart), loaded into tiles 6 and 7 in turn.
+template <TileDot kDot>
+inline void products_x4(const void* a, int64_t lda, const void* b, int64_t ldb) {
   const char* slices = static_cast<const char*>(b);
+  // GCC's tile intrinsics take their tile numbers as literals, so each product is spelled out for both kinds
+  const auto product = [](auto dot_bf16, auto dot_int8) {
+    if constexpr (kDot == TileDot::kBf16) dot_bf16(); else dot_int8();
+  };
   _tile_loadd(4, a, lda);
   _tile_loadd(6, slices, ldb);
-  _tile_dpbf16ps(0, 4, 6);
+  product([] { _tile_dpbf16ps(0, 4, 6); }, [] { _tile_dpbsud(0, 4, 6); });
   _tile_loadd(7, slices + 64, ldb);
-  _tile_dpbf16ps(1, 4, 7);
+  product([] { _tile_dpbf16ps(1, 4, 7); }, [] { _tile_dpbsud(1, 4, 7); });
   _tile_loadd(6, slices + 128, ldb);
-  _tile_dpbf16ps(2, 4, 6);
+  product([] { _tile_dpbf16ps(2, 4, 6); }, [] { _tile_dpbsud(2, 4, 6); });
   _tile_loadd(7, slices + 192, ldb);
-  _tile_dpbf16ps(3, 4, 7);
+  product([] { _tile_dpbf16ps(3, 4, 7); }, [] { _tile_dpbsud(3, 4, 7); });
 }
 
 inline void zero_x4() {
@@ -80,8 +89,10 @@ inline void zero_x4() {
   _tile_zero(3);
 }
 
-// Tiles 0-3 (fp32, 16 columns each) side by side from `out`, rows `ldo` floats apart.
-inline void store_x4(float* out, int64_t ldo) {
+// Tiles 0-3 (fp32 or int32, 16 columns each) side by side from `out`, rows `ldo` values apart.
+template <typename T>
+inline void store_x4(T* out, int64_t ldo) {
+  static_assert(sizeof(T) == 4, "tile results are 4-byte values");
   _tile_stored(0, out, ldo * 4);
   _tile_stored(1, out + 16, ldo * 4);
   _tile_stored(2, out + 32, ldo * 4);

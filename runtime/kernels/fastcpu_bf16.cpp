@@ -126,7 +126,7 @@ constexpr int64_t kAmxMinRows = 2;
 constexpr int64_t kAmxPrefetchBytes = 8192;  // two tile steps of a panel ahead
 
 // Tiles 0-3: the products of `rows` rows x the panel's 4 slices of 16 columns (fp32); 4: the rows' activation
-// pairs; 6, 7: weight slices, loaded in turn (fastcpu::bf16_products_x4).
+// pairs; 6, 7: weight slices, loaded in turn (fastcpu::products_x4).
 fastcpu::TileConfig amx_config(int rows) {
   fastcpu::TileConfig c;
   for (int t = 0; t < 5; ++t) c.tile(t, rows, 64);
@@ -158,7 +158,7 @@ void linear_bf16_amx(const uint32_t* xp, int64_t m, int64_t pairs, const uint16_
             const char* ahead = reinterpret_cast<const char*>(w) + kAmxPrefetchBytes;
             for (int line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
           }
-          fastcpu::bf16_products_x4(a + g, lda, w, ldb);
+          fastcpu::products_x4<fastcpu::TileDot::kBf16>(a + g, lda, w, ldb);
         }
         fastcpu::store_x4(c, kPanel);
         const fastcpu::ProductDest out = dest.at(b * rows, c0);

@@ -152,7 +152,7 @@ inline void value_rows_amx(const uint32_t* pp, int64_t ldp, int64_t key_pairs, c
     fastcpu::zero_x4();
     for (int64_t jp0 = 0; jp0 < key_pairs; jp0 += 16) {
       for (int tick = 0; tick < 16; ++tick) fetch.tick();
-      fastcpu::bf16_products_x4(pp + jp0, ldp * 4, vp + (jp0 * d + c0) * 2, ldv);
+      fastcpu::products_x4<fastcpu::TileDot::kBf16>(pp + jp0, ldp * 4, vp + (jp0 * d + c0) * 2, ldv);
     }
     fastcpu::store_x4(out + c0, ldo);
   }

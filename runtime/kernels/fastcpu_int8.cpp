@@ -20,12 +20,15 @@
 // group of 4 consecutive k, 64 columns x 4 k values (column-major within the group), i.e. one 512-bit vector
 // holds 16 columns x 4 k: exactly vpdpbusd's operand. Padding (k past K, columns past N) holds 128 (weight 0).
 //
-// Built where the compiler targets AVX512-VNNI or AVX2 (-march=native); int8_dot() tells. On CPUs with AMX,
-// batches of 16+ rows run on the tiles (fastcpu_int8_amx.h).
+// Built where the compiler targets AVX512-VNNI or AVX2 (-march=native); int8_dot() tells. On CPUs with AMX, rows of
+// K a multiple of 64 (every layer of the default model) take the activations in two parts with one scale per row
+// instead of per-block ones (fastcpu_int8_split.h, int8_split() tells), and other batches of 16+ rows run the blocks
+// on the tiles (fastcpu_int8_amx.h).
 
 #include "fastcpu_int8.h"
 #include "fastcpu_int8_amx.h"
 #include "fastcpu_int8_avx2.h"
+#include "fastcpu_int8_split.h"
 
 namespace fastcpu::int8 {
 
@@ -165,6 +168,15 @@ bool int8_vnni() {
 #endif
 }
 
+bool int8_split(int64_t k) {
+#ifdef FASTCPU_AMX
+  return fastcpu::int8::split_fits(k);
+#else
+  (void)k;
+  return false;
+#endif
+}
+
 bool int8_dot() {
 #ifdef FASTCPU_INT8_DOT
   return true;
@@ -190,6 +202,15 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torc
   const float* bp = fastcpu::bias_data(bias, n);
   fastcpu::LinearOutput y(out, x, m, n);
   if (m > 0) {
+#ifdef FASTCPU_AMX
+    if (split_fits(k)) {  // two-part activations on AMX hosts (fastcpu_int8_split.h); `block` is not used
+      const SplitRows xs = x.scalar_type() == torch::kBFloat16
+                               ? split_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
+                               : split_rows(x.data_ptr<float>(), x.stride(0), m, k);
+      linear_int8_split(xs, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.dest(), n);
+      return y.finish();
+    }
+#endif
     const int64_t blk = block == 0 ? std::max<int64_t>(16, (k + 15) / 16 * 16) : block;
     QuantRows xq = x.scalar_type() == torch::kBFloat16
                        ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k, blk)

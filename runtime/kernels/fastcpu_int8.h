@@ -3,7 +3,8 @@
 // split of the work between threads.
 //
 // The quantisation is the same arithmetic on every CPU (a max, one multiply and a round to nearest even per value,
-// an exact integer sum per block), so every kernel multiplies the same int8 activations.
+// an exact integer sum per block), so every kernel multiplies the same int8 activations. On AMX hosts a layer whose
+// K is a multiple of 64 takes two-part activations instead (fastcpu_int8_split.h), at every batch size.
 #pragma once
 
 #include "fastcpu_ops.h"

@@ -1,5 +1,6 @@
-// linear_int8 on AMX tiles (CPUs with AMX-INT8, fastcpu_amx.h): batches of 16+ rows where K is a multiple of the
-// activation block and the block is at most 64. One TDPBSUD gives a block's exact int32 sums for up to 16 rows x 16
+// linear_int8 on AMX tiles (CPUs with AMX-INT8, fastcpu_amx.h) with per-block activations: batches of 16+ rows where
+// K is a multiple of the activation block and the block is at most 64, but not of 64 (a K of 64s takes the two-part
+// activations instead, fastcpu_int8_split.h). One TDPBSUD gives a block's exact int32 sums for up to 16 rows x 16
 // columns (the A tile a block of the signed activations, the B tile the block's groups of a 16-column slice), and
 // they are folded into fp32 per block exactly as the vector tiles (fastcpu_int8.cpp) fold theirs, so the products
 // are the same bits.

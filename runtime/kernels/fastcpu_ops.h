@@ -33,6 +33,7 @@ constexpr int64_t kInt8ChunkRows = 48;
 }  // namespace fastcpu
 bool int8_vnni();  // the int8 KV pool's attention dot products (AVX512-VNNI)
 bool int8_dot();   // linear_int8 (AVX512-VNNI or AVX2)
+bool int8_split(int64_t k);  // whether linear_int8 takes rows of k values as two-part activations (AMX)
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> out, int64_t block);
 

@@ -137,6 +137,8 @@ BF16_AMX_SMALL_M = 128
 # `radixserve bench quality` on SmolLM2-135M (perplexity vs fp32 / greedy tokens agreeing): one scale per row
 # +6.0% / 23% (an outlier coarsens its whole row); blocks of 64 +0.6% / 48%; blocks of 32 +1.2% / 57%
 # (weight-only int8: +0.6% / 61%). Blocks of 32 cost ~1% more time than whole rows at 1 row, ~8% at 8.
+# On AMX hosts a layer whose K is a multiple of 64 takes two-part activations with one scale per row instead
+# (fastcpu_int8_split.h), which the block does not change.
 INT8_ACT_BLOCK = 32
 INT8_KERNELS = ("dot", "float")
 

@@ -232,6 +232,27 @@ def quantised_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     return q.reshape(m, -1)[:, :k], step.reshape(m, -1)[:, :k]
 
 
+def split_activations(x: torch.Tensor) -> torch.Tensor:
+    """What linear_int8 multiplies where it takes two-part activations (int8_split: AMX hosts), in float64: per row
+    the scale max|x| / 127, hi = round(x * 127 / max|x|) and lo = round((x * 127 / max|x| - hi) * 254) (fp32, half
+    to even), the value scale * (hi + lo / 254)."""
+    amax = x.abs().amax(-1, keepdim=True)
+    v = x * torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    hi = v.round()
+    lo = ((v - hi) * 254.0).round()
+    assert hi.abs().max() <= 127 and lo.abs().max() <= 127
+    return (hi.double() + lo.double() / 254.0) * (amax / 127.0).double()
+
+
+def multiplied_activations(k, x: torch.Tensor, block: int) -> torch.Tensor:
+    """The activations linear_int8 multiplies on this host, in float64: two-part ones where int8_split(K) says
+    so, else per-block ones."""
+    if k.int8_split(x.shape[1]):
+        return split_activations(x)
+    q, step = quantised_activations(x, block)
+    return (q * step).double()
+
+
 def int8_kernels() -> list[str]:
     """The int8 kernels this host runs: the integer dot-product one only where the kernels were built for it."""
     return ["dot", "float"] if load_kernels("fastcpu").int8_dot() else ["float"]
@@ -277,9 +298,10 @@ requires_int8_dot = pytest.mark.skipif(not load_kernels("fastcpu").int8_dot(),
 @pytest.mark.parametrize(("kdim", "n"), [(576, 960), (70, 13), (5, 3), (1536, 130)])
 @pytest.mark.parametrize("block", [0, 16, 64])
 def test_int8_dot_linear_equals_the_quantised_product(k, kdim, n, block):
-    """Every row count 1..33 (row tiles of 1..6, several tiles), odd K (k groups of 4 padded) and N
-    (a partial panel), with and without bias and residual: the integer product is exact, so the result
-    equals the float64 product of the quantised operands up to fp32 rounding of the block sums."""
+    """Every row count 1..33 (row tiles of 1..6, several tiles; on AMX hosts the two-part activations' lone-row
+    vector pass and tiles of 1..8 rows), odd K (k groups of 4 padded) and N (a partial panel), with and without
+    bias and residual: the integer product is exact, so the result equals the float64 product of the quantised
+    operands up to fp32 rounding of the sums."""
     g = torch.Generator().manual_seed(kdim * n + block)
     w, b = torch.randn(n, kdim, generator=g), torch.randn(n, generator=g)
     pw = pack_weight(w, "int8", "vnni")
@@ -288,9 +310,9 @@ def test_int8_dot_linear_equals_the_quantised_product(k, kdim, n, block):
     assert torch.equal(w_int8, unpack_weight(pack_weight(w, "int8"))), "the same int8 values as the k-major layout"
     for m in range(1, 34):
         x = torch.randn(m, kdim, generator=g) * torch.linspace(0.05, 4.0, kdim)  # blocks of different ranges
-        q, step = quantised_activations(x, block)
-        ref = (q * step).double() @ w_int8.double().T
-        scale = (q.abs() * step).double() @ w_int8.double().abs().T  # the size of the terms summed
+        xq = multiplied_activations(k, x, block)
+        ref = xq @ w_int8.double().T
+        scale = xq.abs() @ w_int8.double().abs().T  # the size of the terms summed
         got = k.linear_int8(x, pw.data, n, pw.scale, b, None, block)
         assert ((got.double() - b.double() - ref).abs() <= 1e-5 * scale + 1e-5).all(), m
         res = torch.randn(m, n, generator=g)
@@ -305,9 +327,11 @@ def test_int8_rows_in_a_batch_are_the_bits_of_each_row_alone(k, block):
     """A row's product does not depend on the rows beside it: its bits alone (one row: the vector kernel) are its
     bits in batches of 2..40 (vector tiles of up to 6 rows, or from 16 rows where the CPU has AMX, tiles of 16 rows
     with a zero-padded last block), with bias and into a bf16 residual: every path sums each block exactly in int32
-    and folds the blocks into fp32 in the same order."""
+    and folds the blocks into fp32 in the same order. On AMX hosts a K of 64s takes two-part activations (the lone
+    row on the vector units, batches on tiles of up to 8 rows, the last zero-padded): each part's sums are exact
+    and both kernels combine them with the same arithmetic. K = 96 keeps the per-block tiles there."""
     g = torch.Generator().manual_seed(block)
-    for kdim, n in ((576, 960), (1536, 576)):
+    for kdim, n in ((576, 960), (1536, 576), (96, 200)):
         pw = pack_weight(torch.randn(n, kdim, generator=g), "int8", "vnni")
         b = torch.randn(n, generator=g)
         x = (torch.randn(40, kdim, generator=g) * torch.linspace(0.05, 4.0, kdim)).bfloat16()
@@ -451,9 +475,10 @@ def test_packed_ops_add_the_bias_in_the_kernel_and_past_its_rows(fmt):
 @requires_int8_dot
 def test_int8_dot_activation_error_stays_within_half_a_step_of_its_block(k):
     """Against the unquantised activations: each value moves at most half its block's step, so an outlier
-    in one block of 64 leaves the other blocks' precision alone (a per-row scale would not)."""
+    in one block of 64 leaves the other blocks' precision alone (a per-row scale would not). K = 1,000 (not a
+    multiple of 64) takes per-block activations on every host."""
     g = torch.Generator().manual_seed(11)
-    kdim, n = 1024, 70
+    kdim, n = 1000, 70
     w = torch.randn(n, kdim, generator=g)
     pw = pack_weight(w, "int8", "vnni")
     w_int8 = unpack_weight(pw).double()
@@ -464,10 +489,35 @@ def test_int8_dot_activation_error_stays_within_half_a_step_of_its_block(k):
     _q, step = quantised_activations(x, 64)
     bound = (step.double() / 2) @ w_int8.abs().T
     assert ((got - exact).abs() <= bound * (1 + 1e-4) + 1e-4).all()
+    assert not k.int8_split(kdim)
     # one scale per row (block 0) rounds all 16 blocks to steps of 200/127 (blocks of 64: one block), so its
     # squared error is ~16x larger
     row = k.linear_int8(x, pw.data, n, pw.scale, None, None, 0).double()
     assert (row - exact).pow(2).mean() > 8 * (got - exact).pow(2).mean()
+
+
+@requires_int8_dot
+def test_int8_split_activations_keep_an_outlier_from_coarsening_the_row():
+    """Where linear_int8 takes two-part activations (AMX hosts, K a multiple of 64), each value moves at most half of
+    1/254 of its row's step, so the same outlier as above leaves the product ~100x closer to the exact one than
+    blocks of 64 do; and the lo part is what does it (hi alone is one scale per row)."""
+    k = load_kernels("fastcpu")
+    kdim, n = 1024, 70
+    if not k.int8_split(kdim):
+        pytest.skip("two-part activations run only on CPUs with AMX")
+    g = torch.Generator().manual_seed(11)
+    pw = pack_weight(torch.randn(n, kdim, generator=g), "int8", "vnni")
+    w_int8 = unpack_weight(pw).double()
+    x = torch.randn(4, kdim, generator=g)
+    x[:, 3] = 200.0
+    got = k.linear_int8(x, pw.data, n, pw.scale, None, None, 64).double()
+    exact = x.double() @ w_int8.T
+    row_step = x.abs().amax(-1, keepdim=True).double() / 127.0
+    bound = (row_step / 254.0 / 2).expand(-1, kdim) @ w_int8.abs().T
+    assert ((got - exact).abs() <= bound * (1 + 1e-3) + 1e-3).all()
+    q, step = quantised_activations(x, 64)
+    blocks_error = ((q * step).double() @ w_int8.T - exact).pow(2).mean()
+    assert (got - exact).pow(2).mean() * 1000 < blocks_error
 
 
 def decode_batch(shape: AttentionShape, lens: list[int], shared: int, seed: int, extend: int = 1,
