@@ -42,7 +42,9 @@ class ServerArgs:
                       ("auto", "float32", "bfloat16", "float16"))
     quantization: str = _opt("none", "Weight-only quantization of the linear layers on CPU: int8 = one int8 per weight "
                              "with a float scale per output row (a quarter of fp32's bytes per decode step; "
-                             "activations stay float). none = weights in --dtype.", ("none", "int8"))
+                             "activations stay float between layers, and the integer dot-product kernels quantise "
+                             "them on the fly: per 32-value block, or on CPUs with AMX as two int8 parts with one "
+                             "scale per row). none = weights in --dtype.", ("none", "int8"))
     kv_cache_dtype: str = _opt("auto", "How the KV cache stores K and V; auto = in --dtype; int8 = int8 values with a "
                                "float32 scale per token and KV head (68 bytes per 64-dim head row against 128 in "
                                "bf16: nearly twice the tokens in the same memory, and half the KV read per decode "
