@@ -17,8 +17,8 @@
 // difference is exact in fp32), both in [-127, 127]. The weights are stored offset by +128 (uint8, packed.py), so
 // sum_k (w_k + 128) hi_k = sum_k w_k hi_k + 128 sum_k hi_k, exact in int32 (K < 66,000), and likewise for lo; the
 // offsets' shares are one integer per row and part. Per output: (hi_sum - 128 sum(hi)) + (lo_sum - 128 sum(lo)) /
-// 254 (the offsets taken off in int32, then converted to fp32), times the row's scale, times the weight row's scale, plus the bias. A row's result depends on its
-// own activations only: the bits are the same in any batch.
+// 254 (the offsets taken off in int32, then converted to fp32), times the row's scale, times the weight row's
+// scale, plus the bias. A row's result depends on its own activations only: the bits are the same in any batch.
 #pragma once
 
 #include "fastcpu_amx.h"
@@ -44,7 +44,9 @@ struct SplitRows {
   std::vector<int32_t> hi_offset, lo_offset;  // [m]: 128 sum(hi), 128 sum(lo): the weights' offset's shares
   int64_t ld = 0, rows = 0, blocks = 0;  // rows: R
 
-  int8_t* hi(int64_t r) { return q.data() + ((r / rows) * 2 * rows + r % rows) * ld; }
+  // block b's A tile region (2R rows of ld bytes), and row r's two parts in it
+  const int8_t* tile(int64_t b) const { return q.data() + b * 2 * rows * ld; }
+  int8_t* hi(int64_t r) { return q.data() + (r - r % rows) * 2 * ld + (r % rows) * ld; }
   int8_t* lo(int64_t r) { return hi(r) + rows * ld; }
 };
 
@@ -123,7 +125,7 @@ inline void split_store(const SplitRows& xq, int64_t r, __m512i hi_sums, __m512i
 inline void split_panel(const SplitRows& xq, int64_t block, const uint8_t* panel, int64_t groups,
                         const fastcpu::ProductDest& out, int64_t r0, int64_t valid, int64_t cn, const float* scale,
                         const float* bias, int32_t* sums) {
-  const int8_t* a = xq.q.data() + block * 2 * xq.rows * xq.ld;
+  const int8_t* a = xq.tile(block);
   const int64_t step_bytes = 16 * kGroupBytes;  // one step's k-groups of the panel
   fastcpu::zero_x4();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
@@ -148,7 +150,7 @@ inline void split_vector_panel(const SplitRows& xq, const uint8_t* panel, int64_
                                const fastcpu::ProductDest& out, int64_t cn, const float* scale, const float* bias) {
   __m512i hsum[4], lsum[4];
   for (int v = 0; v < 4; ++v) hsum[v] = lsum[v] = _mm512_setzero_si512();
-  const int8_t* hi = xq.q.data();
+  const int8_t* hi = xq.tile(0);  // one row: R = 1, its hi then its lo
   const int8_t* lo = hi + xq.ld;
   // as the vector kernel's lone pass over a panel: the k-group kPrefetchGroups ahead, into L2
   const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchGroups * kGroupBytes;
