@@ -35,6 +35,10 @@ PARTS = ("scheduling", "batch_build", "planning", "forward", "logits", "sampling
 PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch building",
               "planning": "attention planning", "forward": "decoder layers", "logits": "output projection",
               "sampling": "sampling", "process": "result processing"}
+# The native decode stack's phases (fastcpu_decoder.cpp's PhaseClock), grouped as the decode row reports them: the
+# matrix products against the attention and the small ops between them.
+PHASE_GROUPS = {"linears": ("qkv", "o", "gate_up", "down"), "attention": ("own_attention", "shared_attention"),
+                "small ops": ("norms", "rotary", "kv_store", "silu_mul")}
 
 
 def timed_step(sched: Any) -> dict[str, float] | None:
@@ -153,6 +157,9 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
         sched.submit(singles[i].message())
 
     scenarios: dict[str, list[dict[str, float]]] = {"cold prefill": [], "mixed": [], "decode": []}
+    # the decode steps' layers phase by phase, where the model runs them in one native call
+    stack = runner.model.decode_stack
+    phase_steps: list[dict[str, float]] = []
     timed_step(sched)  # nothing queued: a no-op that imports what the first real step would
     for rep in range(repeats):
         base = rep * batch
@@ -169,10 +176,17 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
         scenarios["mixed"].append(mixed)
         while sched.waiting or sched.chunked is not None:
             timed_step(sched)
+        if stack is not None:
+            stack.time_phases(True)
         for _ in range(decode_steps):
             step = timed_step(sched)
+            phases = stack.take_phase_times() if stack is not None else {}
             if step is not None and step["prefill_tokens"] == 0:
                 scenarios["decode"].append(step)
+                if phases.get("runs") == 1:  # the step ran its layers in one native call
+                    phase_steps.append(phases)
+        if stack is not None:
+            stack.time_phases(False)
         for req in list(sched.running):
             sched.abort(req.rid)
         sched.step()  # hand the aborted requests' outputs back
@@ -189,8 +203,26 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
             continue
         med = {k: statistics.median(s[k] for s in steps) for k in (*PARTS, "total", "decodes", "prefill_tokens")}
         result["scenarios"][name] = {"steps": len(steps), **med}
+    if phase_steps:
+        result["decode_phases"] = {"steps": float(len(phase_steps)), **{
+            k: statistics.median(s[k] for s in phase_steps) for k in phase_steps[0] if k != "runs"}}
     result["ipc"] = ipc_round_trip()
     return result
+
+
+def phase_line(p: dict[str, Any]) -> str | None:
+    """The decode steps' decoder layers phase by phase (median ms), grouped, with each group's share of the decode
+    step; None where the model ran its layers one by one."""
+    ph = p.get("decode_phases")
+    if not ph:
+        return None
+    step_ms = 1e3 * p["scenarios"]["decode"]["total"] if "decode" in p["scenarios"] else 0.0
+    parts = []
+    for group, names in PHASE_GROUPS.items():
+        ms = 1e3 * sum(ph[n] for n in names)
+        share = f", {100 * ms / step_ms:.0f}% of the step" if step_ms else ""
+        parts.append(f"{group} {ms:.2f}{share} (" + ", ".join(f"{n} {1e3 * ph[n]:.2f}" for n in names) + ")")
+    return f"decoder layers of a decode step by phase (median ms of {int(ph['steps'])} steps): " + "; ".join(parts)
 
 
 def format_profile(p: dict[str, Any]) -> str:
@@ -210,6 +242,9 @@ def format_profile(p: dict[str, Any]) -> str:
     if "floor" in p:
         lines.append(f"{'x weight-streaming floor':26s}" + "".join(f"{floor_ratio(p, n):>15.2f}x" for n in names))
         lines.append(floor_line(p))
+    phases = phase_line(p)
+    if phases:
+        lines.append(phases)
     ipc = p["ipc"]
     lines.append(f"IPC: BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes): ZMQ round trip "
                  f"{1e6 * ipc['round_trip_s']:.0f} µs, pickle encode+decode alone {1e6 * ipc['pickle_only_s']:.0f} µs")

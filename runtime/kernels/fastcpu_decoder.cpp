@@ -9,6 +9,9 @@
 
 #include "fastcpu_ops.h"
 
+#include <array>
+#include <chrono>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -77,6 +80,48 @@ struct SharedGroup {
   std::vector<std::vector<torch::Tensor>> packs;
 };
 
+// Where a run's wall time goes, phase by phase, summed over the layers of the runs since the last take(): what
+// `radixserve bench profile` shows of the decoder layers (their linears against the attention and the small ops
+// between them). Off by default: then each lap is one untaken branch. On, a lap reads the steady clock (~20-30 ns;
+// 12 laps a layer, ~10 us a 30-layer step). The time of a phase is the leader's: a job's phase includes its wait
+// for the other threads' parts.
+class PhaseClock {
+ public:
+  enum Phase { kNorms, kQkv, kRotary, kStoreKv, kOwnAttention, kSharedAttention, kO, kGateUp, kSiluMul, kDown, kCount };
+  static constexpr std::array<const char*, kCount> kNames = {
+      "norms", "qkv", "rotary", "kv_store", "own_attention", "shared_attention", "o", "gate_up", "silu_mul", "down"};
+
+  void enable(bool on) { on_ = on; }
+  void start() {
+    if (on_) last_ = Clock::now();
+  }
+  // The time since the last lap (or start) goes to `phase`.
+  void lap(Phase phase) {
+    if (!on_) return;
+    const Clock::time_point now = Clock::now();
+    spent_[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+  void count_run() {
+    if (on_) ++runs_;
+  }
+  // Seconds per phase summed over the timed runs, and "runs": how many; then zero.
+  std::map<std::string, double> take() {
+    std::map<std::string, double> out{{"runs", static_cast<double>(runs_)}};
+    for (int i = 0; i < kCount; ++i) out[kNames[i]] = spent_[i];
+    spent_.fill(0.0);
+    runs_ = 0;
+    return out;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  bool on_ = false;
+  Clock::time_point last_;
+  std::array<double, kCount> spent_{};
+  int64_t runs_ = 0;
+};
+
 class DecodeStack {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
@@ -92,6 +137,9 @@ class DecodeStack {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  void time_phases(bool on) { clock_.enable(on); }
+  std::map<std::string, double> take_phase_times() { return clock_.take(); }
 
   // residual [T, hidden] (updated in place); cos / sin_signed [T, D] in its dtype; slots [T] (where the new
   // tokens' K and V go); kv_index [B, L], row_index [T] and lengths [T]: token t attends kv_index[row_index[t]] up
@@ -117,6 +165,8 @@ class DecodeStack {
       // The linears split their panels between threads as the plan's shares assume up to kInt8ChunkRows rows
       // (past that int8 splits a panel's rows too): a decode batch's idle threads fetch the next weights.
       if (t <= fastcpu::kInt8ChunkRows) team.fetch_ahead(&weights_);
+      using P = PhaseClock;
+      clock_.start();
       for (int64_t i = 0; i < num_layers(); ++i) {
         const Layer& layer = layers_[i];
         const int64_t first = 4 * i;  // the layer's qkv in weights_, then o, gate/up, down
@@ -125,17 +175,22 @@ class DecodeStack {
         // Before each linear runs, the idle threads move on to the one after it: a thread that finishes its
         // share early fetches ahead instead of walking the share it has just read.
         const torch::Tensor x = rms_norm(residual, layer.input_norm, eps_);
+        clock_.lap(P::kNorms);
         team.ahead_from(first + 1);
         torch::Tensor qkv = layer.qkv.run(x, c10::nullopt);
+        clock_.lap(P::kQkv);
         // q and k heads side by side: one rotation for both
         torch::Tensor qk =
             rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, d_}), cos, sin_signed);
+        clock_.lap(P::kRotary);
         store_kv(k_pool, v_pool, slots, qk.narrow(1, heads_, kv_heads_),
                  qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, d_}));
+        clock_.lap(P::kStoreKv);
         const torch::Tensor q = qk.narrow(1, 0, heads_);
         std::vector<torch::Tensor> own = decode_attention_unchecked(q, k_pool, v_pool, kv_index, row_index, lengths,
                                                                     scale_, kv_heads_);
         const torch::Tensor attn = own[0].contiguous();
+        clock_.lap(P::kOwnAttention);
         // the shared part computes from its kept pack: meanwhile the memory brings in this layer's next weights
         fastcpu::FetchPlan next;
         for (const Linear* lin : {&layer.o, &layer.gate_up, &layer.down}) next.add(lin->weight.data);
@@ -147,15 +202,22 @@ class DecodeStack {
                                                              g.lengths, scale_, kv_heads_, pack, &next);
           merge_attention(attn.narrow(0, g.start, n), own[1].narrow(0, g.start, n), part[0], part[1]);
         }
+        clock_.lap(P::kSharedAttention);
         team.ahead_from(first + 2);
         layer.o.run(attn.view({t, q_size}), residual);
+        clock_.lap(P::kO);
         const torch::Tensor h = rms_norm(residual, layer.post_norm, eps_);
+        clock_.lap(P::kNorms);
         team.ahead_from(first + 3);
         torch::Tensor gate_up = layer.gate_up.run(h, c10::nullopt);
+        clock_.lap(P::kGateUp);
         const torch::Tensor act = silu_mul(gate_up);
+        clock_.lap(P::kSiluMul);
         team.ahead_from(first + 4);
         layer.down.run(act, residual);
+        clock_.lap(P::kDown);
       }
+      clock_.count_run();
     });
   }
 
@@ -164,6 +226,7 @@ class DecodeStack {
   double eps_, scale_;
   std::vector<Layer> layers_;
   std::vector<fastcpu::PanelWeight> weights_;  // every layer's qkv, o, gate/up and down, in the order they run
+  mutable PhaseClock clock_;  // run() is const: the clock is the one thing it changes besides its outputs
 };
 
 }  // namespace
@@ -184,6 +247,11 @@ void bind_decoder(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer, py::arg("input_norm"), py::arg("post_norm"), py::arg("linears"),
            py::arg("biases"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("time_phases", &DecodeStack::time_phases, py::arg("on"),
+           "time each phase of the layers (norms, qkv, rotary, kv_store, own_attention, shared_attention, o, gate_up, "
+           "silu_mul, down) in the runs from now on, or stop")
+      .def("take_phase_times", &DecodeStack::take_phase_times,
+           "seconds per phase summed over the timed runs since the last call, and 'runs': how many; then zero")
       // the GIL is released while the layers run: other threads of the scheduler process keep going
       .def("run", &DecodeStack::run, py::arg("residual"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
            py::arg("kv_index"), py::arg("lengths"), py::arg("k_buffer"), py::arg("v_buffer"),

@@ -86,3 +86,12 @@ class DecodeStack:
         self.native.run(residual, cos.reshape(t, d), sin_signed.reshape(t, d), batch.out_cache_loc, reads.kv_index,
                         reads.lengths, batch.kv.k_buffer, batch.kv.v_buffer, shared, reads.row_index)
         return True
+
+    def time_phases(self, on: bool) -> None:
+        """Time each phase of the layers (norms, the four linears, rotary, KV store, own and shared attention,
+        silu·mul) in the runs from now on, or stop (``radixserve bench profile``)."""
+        self.native.time_phases(on)
+
+    def take_phase_times(self) -> dict[str, float]:
+        """Seconds per phase summed over the timed runs since the last call, and ``runs``: how many; then zero."""
+        return dict(self.native.take_phase_times())

@@ -48,3 +48,18 @@ def test_each_step_is_set_against_the_floor_of_the_fastest_probe(tiny_model_dir:
     assert "at 8.0 GB/s (fastest of the probes 2.0, 8.0 GB/s)" in text
     section = render_section({"results": [], "profile": p}, [])
     assert "| x weight-streaming floor |" in section and "--dtype float32" in section
+
+
+def test_the_decode_phases_are_grouped_and_set_against_the_decode_step() -> None:
+    from runtime.bench.profile import phase_line
+
+    ms = {"qkv": 1.0, "o": 0.5, "gate_up": 2.0, "down": 1.5, "own_attention": 0.75, "shared_attention": 1.25,
+          "norms": 0.25, "rotary": 0.125, "kv_store": 0.125, "silu_mul": 0.5}
+    phases = {"steps": 16.0, **{k: v / 1e3 for k, v in ms.items()}}
+    p = {"scenarios": {"decode": {"total": 0.010}}, "decode_phases": phases}
+    line = phase_line(p)
+    assert line is not None and "(median ms of 16 steps)" in line
+    assert "linears 5.00, 50% of the step (qkv 1.00, o 0.50, gate_up 2.00, down 1.50)" in line
+    assert "attention 2.00, 20% of the step (own_attention 0.75, shared_attention 1.25)" in line
+    assert "small ops 1.00, 10% of the step (norms 0.25, rotary 0.12, kv_store 0.12, silu_mul 0.50)" in line
+    assert phase_line({"scenarios": {}}) is None  # layers run one by one: no phases

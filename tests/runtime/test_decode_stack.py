@@ -130,3 +130,32 @@ def test_a_question_admitted_beside_its_blocks_decode_rows_runs_in_the_stack_bit
         eng.inspect(lambda s: setattr(s.runner.model, "decode_stack", None))
         by_layer = answers(eng)
     assert with_stack == by_layer
+
+
+def test_phase_clock_times_each_phase_of_the_runs_it_is_on_for_and_changes_nothing():
+    """`radixserve bench profile` reads the stack's phase clock: while it is on, each native run adds its wall time
+    phase by phase (every phase of a layer a lap of its own) and counts itself; off, the runs leave it at zero; and the
+    tokens and logprobs are the same bits either way."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (30, 45)]
+    with checked_engine("default", max_total_tokens=4096, quantization="int8") as eng:
+        stack = eng.inspect(lambda s: s.runner.model.decode_stack)
+        assert isinstance(stack, DecodeStack)
+        plain = generate(eng, prompts)
+        assert stack.take_phase_times()["runs"] == 0  # off by default
+        stack.time_phases(True)
+        try:
+            timed = generate(eng, prompts)
+            times = stack.take_phase_times()
+        finally:
+            stack.time_phases(False)
+        assert timed == plain
+        # 11 decode steps of the two rows after their prefill (the stack takes decode batches)
+        assert times["runs"] >= 11, times
+        phases = {k: v for k, v in times.items() if k != "runs"}
+        assert set(phases) == {"norms", "qkv", "rotary", "kv_store", "own_attention", "shared_attention", "o",
+                               "gate_up", "silu_mul", "down"}
+        assert all(v > 0 for k, v in phases.items() if k != "shared_attention"), phases  # no cascade group here
+        assert stack.take_phase_times() == {"runs": 0, **dict.fromkeys(phases, 0.0)}  # taken: zero again
+        generate(eng, prompts)
+        assert stack.take_phase_times()["runs"] == 0  # off again
