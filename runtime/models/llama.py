@@ -298,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         Runs under ``no_grad`` rather than ``inference_mode`` so the sampler may edit the logits in place
         (penalties, masks) outside inference mode.
         """
-        logits = self.ops.linear(hidden, self.output_weight(), None).float()
+        logits = self.ops.logits(hidden, self.output_weight())
         if self.tp is None:
             return logits
         # vocab-parallel output projection: rank 0 gathers every rank's columns; the others keep their own

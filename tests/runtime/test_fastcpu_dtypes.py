@@ -175,6 +175,10 @@ def test_packed_ops_keep_the_activation_dtype(fmt):
     expected = residual.clone().add_(y)
     ops.add_linear_(residual, x, w, None)
     assert torch.equal(residual, expected)
+    # the output projection: the kernel's fp32 sums, which round to the bf16 product's bits
+    logits = ops.logits(x, w)
+    assert logits.dtype == torch.float32 and torch.equal(logits.to(torch.bfloat16), y)
+    assert torch.equal(logits, ops.linear(x.float(), w, None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
