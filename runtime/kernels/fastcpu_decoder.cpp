@@ -83,8 +83,9 @@ struct SharedGroup {
 // Where a run's wall time goes, phase by phase, summed over the layers of the runs since the last take(): what
 // `radixserve bench profile` shows of the decoder layers (their linears against the attention and the small ops
 // between them). Off by default: then each lap is one untaken branch. On, a lap reads the steady clock (~20-30 ns;
-// 12 laps a layer, ~10 us a 30-layer step). The time of a phase is the leader's: a job's phase includes its wait
-// for the other threads' parts.
+// 11 laps a layer, ~10 us a 30-layer step). The time of a phase is the leader's: a job's phase includes its wait
+// for the other threads' parts. A phase is what runs between its lap and the one before: norms include the layer's
+// pool views, own attention the copy of its output, and shared attention the FetchPlan, made with no group too.
 class PhaseClock {
  public:
   enum Phase { kNorms, kQkv, kRotary, kStoreKv, kOwnAttention, kSharedAttention, kO, kGateUp, kSiluMul, kDown, kCount };

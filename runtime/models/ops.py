@@ -1,11 +1,11 @@
 """The model's arithmetic behind one interface: the fast default, and a batch-invariant variant.
 
-A decoder layer calls these six operations and nothing else for its dense math (attention is the
-attention backend's). :class:`TorchOps` is plain torch (MKL GEMMs, fused residual adds): fastest, but a
-GEMM's float result for one row depends on how many rows share the call (M=1 takes a GEMV path, and on
-AVX2 even the row's place inside a register tile matters), so a request's logits change in the last bits
-with the batch around it. :class:`InvariantOps` (``--enable-deterministic-inference``) runs every
-operation through ``runtime/kernels/invariant.cpp``, whose per-element arithmetic is fixed by the row's
+A decoder layer calls these operations and nothing else for its dense math (attention is the attention backend's),
+and the model's output projection is ``logits``. :class:`TorchOps` is plain torch (MKL GEMMs, fused residual adds):
+fastest, but a GEMM's float result for one row depends on how many rows share the call (M=1 takes a GEMV path, and
+on AVX2 even the row's place inside a register tile matters), so a request's logits change in the last bits with
+the batch around it. :class:`InvariantOps` (``--enable-deterministic-inference``) runs every operation through
+``runtime/kernels/invariant.cpp``, whose per-element arithmetic is fixed by the row's
 own shape, so each row's result is the same in any batch.
 """
 
@@ -48,7 +48,8 @@ class ModelOps(Protocol):
         """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2I]`` → ``[T, I]``."""
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The output projection ``x @ weight.T`` in float32, whatever x's dtype."""
+        """The output projection ``x @ weight.T`` as a float32 tensor, whatever x's dtype (summed in fp32 and not
+        rounded to x's dtype where the implementation's kernel allows: PackedCpuOps)."""
 
 
 class TorchOps:
@@ -272,10 +273,13 @@ class PackedCpuOps(TorchOps):
         """The packed kernels sum in fp32 and return the product in their input's dtype: given the fp32 copy of bf16
         rows (exact), they hand back those sums as they are. A bf16 product rounded each logit to 8 bits, which tied
         or swapped near-equal tokens: greedy continuations agreed with fp32's for 70.5% of tokens in bf16 and 51.8%
-        in int8 + int8 cache, 85.8% and 57.0% with these (`radixserve bench quality`, 64 prompts; perplexity the same
-        to 0.03%); and its fp32 copy of all the logits is gone (~0.1 ms of a batch-8 step). Rounded to bf16 these
-        logits are the bf16 product's bits (tests/runtime/test_fastcpu_dtypes.py)."""
-        if x.dtype != torch.float32 and self.runs_packed(x.shape[0]) and self.packed_linear(weight) is not None:
+        in int8 + int8 cache, 85.8% and 57.0% with these (`radixserve bench quality`, 64 prompts); and its fp32 copy
+        of all the logits is gone (~0.1 ms of a batch-8 step). Rounded to bf16 these logits are the bf16 product's
+        bits (tests/runtime/test_fastcpu_dtypes.py). Int8 weights take fp32 rows at any count (the packed kernel, or
+        the GEMM over their dequantised copy, which sums in fp32 too); bf16 weights beyond the packed kernel's rows
+        (a prompt's logprob rows: ``small_m``, 128 with AMX) go to the library's bf16 GEMM and are rounded as before."""
+        if x.dtype != torch.float32 and self.packed_linear(weight) is not None and (
+                self.weight_format == "int8" or self.runs_packed(x.shape[0])):
             return self.linear(x.float(), weight, None)
         return super().logits(x, weight)
 

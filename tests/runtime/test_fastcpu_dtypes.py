@@ -181,6 +181,27 @@ def test_packed_ops_keep_the_activation_dtype(fmt):
     assert torch.equal(logits, ops.linear(x.float(), w, None))
 
 
+@pytest.mark.parametrize(("fmt", "kernel"), [("bfloat16", None), ("int8", "float")])
+def test_logits_beyond_the_packed_rows_or_without_a_packed_copy(fmt, kernel):
+    """Past the packed kernel's rows, int8 weights still give fp32 sums (the GEMM over their dequantised copy), bf16
+    weights the library GEMM's bf16 product widened to fp32, and a weight with no packed copy torch's product."""
+    g = torch.Generator().manual_seed(11)
+    ops = PackedCpuOps(fmt, int8_kernel=kernel)
+    w = torch.nn.Parameter(torch.randn(96, 64, generator=g).bfloat16(), requires_grad=False)
+    ops.pack([w], release=lambda _: False)
+    x = torch.randn(ops.small_m + 1, 64, generator=g).bfloat16()
+    assert not ops.runs_packed(x.shape[0])
+    logits = ops.logits(x, w)
+    assert logits.dtype == torch.float32
+    if fmt == "int8":
+        assert torch.equal(logits, ops.linear(x.float(), w, None))
+        assert torch.equal(logits.to(torch.bfloat16), ops.linear(x, w, None))
+    else:
+        assert torch.equal(logits, ops.linear(x, w, None).float())
+    unpacked = torch.randn(80, 64, generator=g).bfloat16()
+    assert torch.equal(ops.logits(x[:2], unpacked), torch.nn.functional.linear(x[:2], unpacked).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_the_rows_index_copy_would(k, dtype):
     g = torch.Generator().manual_seed(6)
