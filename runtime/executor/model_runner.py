@@ -247,9 +247,9 @@ class ModelRunner:
         if self.tp is not None:
             with self._tp_step(batch, logit_rows):
                 hidden = self.model.forward(batch)
-                return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device))).float()
+                return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
         hidden = self.hidden_states(batch)
-        return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device))).float()
+        return self.model.compute_logits(hidden.index_select(0, logit_rows.to(hidden.device)))
 
     @contextlib.contextmanager
     def _tp_step(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> Iterator[None]:

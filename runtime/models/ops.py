@@ -5,9 +5,8 @@ and the model's output projection is ``logits``. :class:`TorchOps` is plain torc
 fastest, but a GEMM's float result for one row depends on how many rows share the call (M=1 takes a GEMV path, and
 on AVX2 even the row's place inside a register tile matters), so a request's logits change in the last bits with
 the batch around it. :class:`InvariantOps` (``--enable-deterministic-inference``) runs every operation through
-``runtime/kernels/invariant.cpp``, whose per-element arithmetic is fixed by the row's
-own shape, so each row's result is the same in any batch.
-"""
+``runtime/kernels/invariant.cpp``, whose per-element arithmetic is fixed by the row's own shape, so each row's
+result is the same in any batch."""
 
 from __future__ import annotations
 
