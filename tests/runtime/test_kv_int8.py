@@ -42,6 +42,8 @@ def test_the_store_kernel_writes_the_bytes_torch_writes(k, dtype):
     new_k = (torch.randn(60, heads, dim, generator=g) * 4).to(dtype)
     new_v = torch.randn(60, heads, dim, generator=g).to(dtype)
     new_k[5, 1] = 0.0
+    # a row whose largest value is 127 (steps of exactly 1): its halves are ties, rounded to even by both writers
+    new_k[6, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])
     where = torch.randperm(slots, generator=g)[:60]
     k_pool = torch.zeros(slots, heads * (dim + SCALE_BYTES), dtype=torch.int8)
     v_pool = torch.zeros_like(k_pool)
