@@ -245,12 +245,14 @@ std::vector<Item> share_ranges(const std::vector<Segment>& segs, int64_t splits,
   return items;
 }
 
-// q: float32, contiguous; the output is written in out_dtype (float32 or bfloat16: the model's activations).
+// q: float32 or bfloat16 with contiguous heads (rows of any stride); the output is written in q's dtype (the
+// model's activations).
 template <typename KV>
 std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_pool,
                                                  const torch::Tensor& v_pool, const torch::Tensor& kv_index,
                                                  const torch::Tensor& row_index, const torch::Tensor& lengths,
-                                                 double scale, int64_t hkv, torch::ScalarType out_dtype) {
+                                                 double scale, int64_t hkv) {
+  const torch::ScalarType out_dtype = q.scalar_type();
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2), group = h / hkv, width = kv_index.size(1);
   const int64_t* lens = lengths.data_ptr<int64_t>();
   const int64_t max_len = b ? *std::max_element(lens, lens + b) : 0;
@@ -284,18 +286,34 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
     }
     lp[item] = mx + std::log(total);
   };
-  const int64_t parts = one_range ? 0 : b;
-  torch::Tensor part_m = torch::empty({parts, splits, h}, opts);
-  torch::Tensor part_l = torch::empty({parts, splits, h}, opts);
-  torch::Tensor part_acc = torch::empty({parts, splits, h, d}, opts);
-  const float* qp = q.data_ptr<float>();
+  // the ranges' parts, merged below: none for one range per row
+  torch::Tensor part_m, part_l, part_acc;
+  if (!one_range) {
+    part_m = torch::empty({b, splits, h}, opts);
+    part_l = torch::empty({b, splits, h}, opts);
+    part_acc = torch::empty({b, splits, h, d}, opts);
+  }
+  // The queries are read where they are, in their dtype (bf16 widens exactly): a decode stack's are a strided view
+  // of its bf16 rotary output, and a float copy of them was an allocation and a pass per layer.
+  const int64_t q_ld = q.stride(0);
+  const float* const q_f = out_dtype == torch::kFloat32 ? q.data_ptr<float>() : nullptr;
+  const at::BFloat16* const q_b = out_dtype == torch::kFloat32 ? nullptr : q.data_ptr<at::BFloat16>();
+  // n query heads of token t from `head` on, as fp32, into dst
+  const auto queries = [&](int64_t t, int64_t head, int64_t n, float* dst) {
+    if (q_f != nullptr) {
+      std::copy(q_f + t * q_ld + head * d, q_f + t * q_ld + (head + n) * d, dst);
+      return;
+    }
+    const at::BFloat16* src = q_b + t * q_ld + head * d;
+    for (int64_t i = 0; i < n * d; i += 16) store(dst + i, load(src + i));
+  };
   const KV* kp = k_pool.data_ptr<KV>();
   const KV* vp = v_pool.data_ptr<KV>();
   const int64_t* idx = kv_index.data_ptr<int64_t>();
   const int64_t* which = row_index.defined() ? row_index.data_ptr<int64_t>() : nullptr;
-  float* pm = part_m.data_ptr<float>();
-  float* pl = part_l.data_ptr<float>();
-  float* pa = part_acc.data_ptr<float>();
+  float* pm = one_range ? nullptr : part_m.data_ptr<float>();
+  float* pl = one_range ? nullptr : part_l.data_ptr<float>();
+  float* pa = one_range ? nullptr : part_acc.data_ptr<float>();
   const int64_t row = d + (std::is_same_v<KV, int8_t> ? 4 : 0);  // a head's row: its values (and int8 scale)
   const int64_t slot_stride = hkv * row;
   const std::vector<Segment> segs = segments(which, lens, b, group);
@@ -310,7 +328,8 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
     return (items[i].j1 - items[i].j0) * (items[i].heads + kPositionHeads) + 1;  // + 1: an empty range costs a little
   };
   parallel_dealt_by_cost(static_cast<int64_t>(items.size()), item_cost, [&](const int64_t* dealt, int64_t count) {
-    std::vector<float> qs(kMaxCallHeads * d), ms(kMaxCallHeads), ls(kMaxCallHeads), accs(kMaxCallHeads * d);
+    // on the stack, not the heap: four allocations a thread in every call otherwise
+    alignas(64) float qs[kMaxCallHeads * kMaxDim], accs[kMaxCallHeads * kMaxDim], ms[kMaxCallHeads], ls[kMaxCallHeads];
     int64_t hi[kMaxCallHeads];
     for (int64_t n = 0; n < count; ++n) {
       const Item& it = items[dealt[n]];
@@ -323,13 +342,11 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
       for (int64_t i = 0; i < tokens; ++i)
         for (int64_t g = 0; g < group; ++g) hi[i * group + g] = lens[token[i]];
       for (int64_t kvh = 0; kvh < hkv; ++kvh) {
-        for (int64_t i = 0; i < tokens; ++i) {  // this KV head's query heads of each token, side by side
-          const float* qr = qp + (token[i] * h + kvh * group) * d;
-          std::copy(qr, qr + group * d, qs.data() + i * group * d);
-        }
+        for (int64_t i = 0; i < tokens; ++i)  // this KV head's query heads of each token, side by side
+          queries(token[i], kvh * group, group, qs + i * group * d);
         if (j0 < j1)
-          attend(qs.data(), it.heads, d, kp, vp, slot_stride, kvh * row, it.slots, j0, j1, static_cast<float>(scale),
-                 hi, ms.data(), ls.data(), accs.data());
+          attend(qs, it.heads, d, kp, vp, slot_stride, kvh * row, it.slots, j0, j1, static_cast<float>(scale), hi, ms,
+                 ls, accs);
         for (int64_t i = 0; i < tokens; ++i) {
           const int64_t r = token[i], base = (r * splits + sp) * h + kvh * group;
           for (int64_t g = 0; g < group; ++g) {
@@ -338,7 +355,7 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
             if (one_range) {  // base + g is (r, head): the output's row
               alignas(64) float o[kMaxDim];
               // 0 + acc, as the merge's sum starts: a -0 becomes +0 there too
-              for (int64_t c = 0; c < d; ++c) o[c] = empty ? 0.f : 0.f + accs[x * d + c];
+              for (int64_t c = 0; c < d; c += 16) store(o + c, empty ? splat(0.f) : splat(0.f) + load(accs + x * d + c));
               finish(base + g, o, empty ? 0.f : ls[x], empty ? -INFINITY : ms[x]);
               continue;
             }
@@ -347,7 +364,7 @@ std::vector<torch::Tensor> decode_attention_impl(const torch::Tensor& q, const t
             if (empty)
               std::fill(pa + (base + g) * d, pa + (base + g + 1) * d, 0.f);
             else
-              std::copy(accs.data() + x * d, accs.data() + (x + 1) * d, pa + (base + g) * d);
+              std::copy(accs + x * d, accs + (x + 1) * d, pa + (base + g) * d);
           }
         }
       }
@@ -427,8 +444,7 @@ std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Te
                                                       torch::Tensor lengths, double scale, int64_t num_kv_heads) {
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [B, H, D]");
-  const torch::ScalarType out_dtype = q.scalar_type();
-  q = fastcpu::float_queries(q);
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // the heads of a row side by side
   const int64_t h = q.size(1), d = q.size(2);
   TORCH_CHECK(h % num_kv_heads == 0 && h / num_kv_heads <= kMaxGroup, "unsupported head grouping");
   TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "head dim must be a multiple of 16, at most 256");
@@ -441,10 +457,9 @@ std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Te
   lengths = lengths.contiguous();
   const torch::Tensor rows = row_index.has_value() ? row_index->contiguous() : torch::Tensor();
   if (k_pool.scalar_type() == torch::kFloat32)
-    return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads, out_dtype);
+    return decode_attention_impl<float>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
   if (k_pool.scalar_type() == torch::kInt8)
-    return decode_attention_impl<int8_t>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads, out_dtype);
+    return decode_attention_impl<int8_t>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
   TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "KV pools must be float32, bfloat16 or int8");
-  return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads,
-                                             out_dtype);
+  return decode_attention_impl<at::BFloat16>(q, k_pool, v_pool, kv_index, rows, lengths, scale, num_kv_heads);
 }

@@ -85,6 +85,13 @@ def test_decode_attention_row_is_the_same_alone_or_in_a_batch(k, dtype, q_dtype)
         index[b, :n] = torch.randperm(pool, generator=g)[:n]
     q = torch.randn(len(lengths), heads, dim, generator=g).to(q_dtype)
     out, lse = k.decode_attention(q, k_pool, v_pool, index, None, lengths, dim**-0.5, kv_heads)
+    # the queries as a view of wider rows, as the decode stack passes its rotary output's query heads (read in
+    # place, in their dtype): the same bits
+    wide = torch.cat([q, torch.randn(len(lengths), kv_heads, dim, generator=g).to(q_dtype)], 1)
+    view_out, view_lse = k.decode_attention(wide[:, :heads], k_pool, v_pool, index, None, lengths, dim**-0.5,
+                                            kv_heads)
+    assert not wide[:, :heads].is_contiguous()
+    assert torch.equal(view_out, out) and torch.equal(view_lse, lse)
     for b, n in enumerate(lengths.tolist()):
         alone, alone_lse = k.decode_attention(
             q[b : b + 1], k_pool, v_pool, index[b : b + 1, :n], None, lengths[b : b + 1], dim**-0.5, kv_heads
