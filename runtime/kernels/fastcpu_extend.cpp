@@ -23,6 +23,7 @@
 #include "fastcpu_pack.h"
 #include "fastcpu_vec.h"
 
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -142,7 +143,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
 #ifdef FASTCPU_BF16_DOT
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [T, H, D]");
-  q = fastcpu::float_queries(q);
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // the heads of a row side by side
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
   std::optional<PoolRows> pools;
@@ -188,7 +189,19 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     kpack = kown.get();
     vpack = vown.get();
   }
-  const float* qf = q.data_ptr<float>();
+  // The queries are read where they are: a decode stack's are a strided view of its bf16 rotary output, whose
+  // values are their own bf16 pairs (a float copy of them was an allocation and a pass per layer).
+  const int64_t q_ld = q.stride(0);
+  const float* const q_f = q.scalar_type() == torch::kFloat32 ? q.data_ptr<float>() : nullptr;
+  const at::BFloat16* const q_b = q_f == nullptr ? q.data_ptr<at::BFloat16>() : nullptr;
+  // head `head` of token t as d / 2 words of bf16 pairs (values 2i and 2i + 1), rounded to nearest even from fp32
+  const auto query_words = [&](int64_t t, int64_t head, uint32_t* words) {
+    if (q_b != nullptr) {
+      std::memcpy(words, q_b + t * q_ld + head * d, d * sizeof(at::BFloat16));
+      return;
+    }
+    for (int64_t i = 0; i < d; i += 32) bf16_pairs32(q_f + t * q_ld + head * d + i, words + i / 2);
+  };
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   // a block's cost: its rows times the most keys one of its tokens sees (the three passes run that far)
@@ -207,8 +220,9 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     std::optional<fastcpu::TileScope> tiles;
     if (on_tiles) tiles.emplace(tile_config);
 #endif
-    // Scratch left uninitialised (new[], not std::vector's zero fill: 80 KB a thread per call at a decode group's
-    // 12-row blocks): each pass writes what the next one reads, the queries' padding rows are zeroed below.
+    // Scratch kept by each thread from call to call (each pass writes what the next one reads, the queries'
+    // padding rows are zeroed below): new[] of ~80 KB a thread in every layer's call at a decode group's 12-row
+    // blocks went through the heap's free-chunk merging each time.
     std::unique_ptr<uint32_t[]> qp_buf(new uint32_t[brows * pairs]), pp_buf(new uint32_t[brows * padded / 2]);
     std::unique_ptr<float[]> sc_buf(new float[brows * padded]), acc_buf(new float[brows * d]);
     uint32_t* const qp = qp_buf.get();
@@ -223,9 +237,8 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
       std::fill(qp, qp + brows * pairs, 0u);
       for (int64_t r = 0; r < nrows; ++r) {  // row r0 + r: token (r0 + r) / group, query head kvh * group + g
         const int64_t t = (r0 + r) / group, head = kvh * group + (r0 + r) % group;
-        const float* qr = qf + (t * h + head) * d;
         uint32_t words[kMaxDim / 2];
-        for (int64_t i = 0; i < d; i += 32) bf16_pairs32(qr + i, words + i / 2);
+        query_words(t, head, words);
         for (int64_t i = 0; i < pairs; ++i) {
           if (on_tiles)
             qp[r * pairs + i] = words[i];  // row-major (the A tile)
@@ -306,7 +319,11 @@ void merge_attention(torch::Tensor out, torch::Tensor lse, torch::Tensor o_share
               "merge_attention: out / o_shared [n, H, D], lse / lse_shared [n, H] float32");
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16,
               "merge_attention: out must be float32 or bfloat16");
-  const torch::Tensor os = o_shared.to(torch::kFloat32).contiguous(), ls = lse_shared.contiguous();
+  // (extend_attention's results are float32 and contiguous already: no dispatch for them)
+  const torch::Tensor os = o_shared.scalar_type() == torch::kFloat32 && o_shared.is_contiguous()
+                               ? o_shared
+                               : o_shared.to(torch::kFloat32).contiguous();
+  const torch::Tensor ls = lse_shared.is_contiguous() ? lse_shared : lse_shared.contiguous();
   const int64_t n = out.size(0), h = out.size(1), d = out.size(2);
   const float* osp = os.data_ptr<float>();
   const float* lsp = ls.data_ptr<float>();

@@ -298,15 +298,6 @@ inline torch::Tensor float_rows(const torch::Tensor& x) {
   return xf;
 }
 
-// Attention queries [T, H, D] (any row stride, contiguous heads) as contiguous float32: q itself when it is so,
-// else a copy (bfloat16 widened exactly).
-inline torch::Tensor float_queries(const torch::Tensor& q) {
-  if (q.scalar_type() == torch::kFloat32) return q.contiguous();
-  const int64_t t = q.size(0), h = q.size(1), d = q.size(2);
-  if (q.stride(2) == 1 && q.stride(1) == d) return float_rows(q.reshape({t, h * d})).view({t, h, d});
-  return q.to(torch::kFloat32).contiguous();
-}
-
 // The linear kernels' optional bias: float32 [n] (null when absent).
 inline const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
   if (!bias.has_value()) return nullptr;

@@ -91,6 +91,25 @@ def test_times_freed_moves_only_when_a_page_under_the_slots_is_freed():
 
 
 @requires_bf16_dot
+@requires_bf16_dot
+def test_extend_attention_reads_its_queries_in_place_in_either_dtype():
+    """The queries as a strided bf16 view (the decode stack passes its rotary output's query heads), contiguous, or
+    as the same values in float32 (rounded to bf16 by the kernel, exactly): the same bits."""
+    g = torch.Generator().manual_seed(5)
+    hkv, d = 3, 64
+    k_pool = torch.randn(600, hkv * d, generator=g).bfloat16()
+    v_pool = torch.randn(600, hkv * d, generator=g).bfloat16()
+    index = torch.randperm(600, generator=g)[:300]
+    lengths = torch.full((8,), 300)
+    wide = torch.randn(8, 9 + 2 * hkv, d, generator=g).bfloat16()  # q, k and v heads side by side
+    view = wide[:, :9]
+    assert not view.is_contiguous()
+    results = [KERNELS.extend_attention(q, k_pool, v_pool, index, lengths, d**-0.5, hkv)
+               for q in (view, view.contiguous(), view.float())]
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 def test_extend_attention_with_a_kept_pack_equals_packing_afresh():
     g = torch.Generator().manual_seed(2)
     hkv, d = 3, 64
