@@ -28,6 +28,7 @@
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -220,15 +221,15 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
     std::optional<fastcpu::TileScope> tiles;
     if (on_tiles) tiles.emplace(tile_config);
 #endif
-    // Scratch kept by each thread from call to call (each pass writes what the next one reads, the queries'
-    // padding rows are zeroed below): new[] of ~80 KB a thread in every layer's call at a decode group's 12-row
-    // blocks went through the heap's free-chunk merging each time.
-    std::unique_ptr<uint32_t[]> qp_buf(new uint32_t[brows * pairs]), pp_buf(new uint32_t[brows * padded / 2]);
-    std::unique_ptr<float[]> sc_buf(new float[brows * padded]), acc_buf(new float[brows * d]);
-    uint32_t* const qp = qp_buf.get();
-    uint32_t* const pp = pp_buf.get();
-    float* const sc = sc_buf.get();
-    float* const acc = acc_buf.get();
+    // Each thread's scratch, kept from call to call (kept_scratch; ~80 KB at a decode group's 12-row blocks, which
+    // the heap merged back into its free chunks after every layer): each pass writes what the next one reads, the
+    // queries' padding rows are zeroed below.
+    thread_local std::vector<uint32_t> qp_buf, pp_buf;
+    thread_local std::vector<float> sc_buf, acc_buf;
+    uint32_t* const qp = kept_scratch(qp_buf, brows * pairs);
+    uint32_t* const pp = kept_scratch(pp_buf, brows * padded / 2);
+    float* const sc = kept_scratch(sc_buf, brows * padded);
+    float* const acc = kept_scratch(acc_buf, brows * d);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / blocks, r0 = (item % blocks) * brows, nrows = std::min<int64_t>(brows, rows - r0);
       const uint16_t* kp = kpack + kvh * padded * d;

@@ -204,7 +204,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, torc
   if (m > 0) {
 #ifdef FASTCPU_AMX
     if (split_fits(k)) {  // two-part activations on AMX hosts (fastcpu_int8_split.h); `block` is not used
-      const SplitRows xs = x.scalar_type() == torch::kBFloat16
+      const SplitRows& xs = x.scalar_type() == torch::kBFloat16
                                ? split_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
                                : split_rows(x.data_ptr<float>(), x.stride(0), m, k);
       linear_int8_split(xs, m, groups, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), bp, y.dest(), n);

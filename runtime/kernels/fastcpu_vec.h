@@ -298,6 +298,19 @@ inline torch::Tensor float_rows(const torch::Tensor& x) {
   return xf;
 }
 
+// Scratch a kernel keeps per thread from call to call (a decode step makes hundreds of calls, each of which
+// allocated and freed its buffers): v's storage with room for n elements, its contents the caller's to write. One
+// grown past kKeptScratchBytes for a large call (a long prefill chunk) is released at the next smaller one.
+constexpr int64_t kKeptScratchBytes = 1 << 20;
+template <typename T>
+T* kept_scratch(std::vector<T>& v, int64_t n) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  if (static_cast<int64_t>(v.capacity() * sizeof(T)) > kKeptScratchBytes && bytes <= kKeptScratchBytes)
+    std::vector<T>().swap(v);
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
 // The linear kernels' optional bias: float32 [n] (null when absent).
 inline const float* bias_data(const c10::optional<torch::Tensor>& bias, int64_t n) {
   if (!bias.has_value()) return nullptr;
