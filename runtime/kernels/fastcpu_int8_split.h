@@ -73,18 +73,18 @@ inline std::pair<int32_t, int32_t> split_row(const T* x, int64_t k, float inv, i
 // Rows of x (float or bfloat16, k a multiple of 64) in two parts, on the calling thread (a decode batch's rows take
 // a few microseconds) or, for a prefill chunk's many rows, in parallel.
 //
-// The result is the calling thread's, reused by its next call: assign() keeps the vectors' capacity, so a decode
-// step's ~120 calls allocate nothing (four heap allocations each before, with the free-chunk merging they cost).
+// The result is the calling thread's, reused by its next call (the parts in kept_scratch, the per-row vectors
+// assigned in their capacity), so a decode step's ~120 calls allocate nothing (four heap allocations each before,
+// with the free-chunk merging they cost).
 template <typename T>
 const SplitRows& split_rows(const T* x, int64_t ldx, int64_t m, int64_t k) {
   thread_local SplitRows kept;
-  // a prefill chunk's rows are not held for the decode steps after it
-  if (kept.q.capacity() > fastcpu::kKeptScratchBytes && m * 2 * k <= fastcpu::kKeptScratchBytes) kept = SplitRows{};
   SplitRows& out = kept;  // this thread's: the lambda below runs on others, where `kept` names their own
   out.ld = k;
   out.rows = std::min<int64_t>(m, kSplitRows);
   out.blocks = (m + out.rows - 1) / out.rows;
-  out.q.assign(out.blocks * 2 * out.rows * k, 0);
+  const int64_t bytes = out.blocks * 2 * out.rows * k;
+  std::fill_n(fastcpu::kept_scratch(out.q, bytes), bytes, int8_t{0});  // rows past m stay zero
   out.scale.assign(m, 0.f);
   out.hi_offset.assign(m, 0);
   out.lo_offset.assign(m, 0);

@@ -15,31 +15,15 @@ namespace {
 
 // One (token, KV head) row of n floats (or bf16) in the int8 KV format (radix/kv_int8.py, whose rounding this
 // repeats operation for operation, so that both writers store the same bytes): the values, then the float32 scale.
-// The scalar loop took ~4 us of a batch-8 decode step's layer (48 rows of 64: a rounding call per value); the
-// vector form gives the same bytes: max is exact in any order, the products are the same fp32 operations, and
-// roundscale to nearest even is nearbyint in the default rounding mode. A NaN product becomes -127 in both (each
-// max / min returns its second operand when the first is NaN, as std::max(-127, NaN) returns -127).
+// The scalar loop took ~4 us of a batch-8 decode step's layer (48 rows of 64: a rounding call per value). The vector
+// form, 8 values a register on every CPU with AVX2 (AVX-512 hosts included, so every host's tests run it), stores
+// the same bytes: max is exact in any order, the products are the same fp32 operations, and rounding to nearest even
+// is nearbyint in the default rounding mode. A NaN product becomes -127 in both (max / min return their second
+// operand when the first is NaN, as std::max(-127, NaN) returns -127).
 template <typename T>
 void quantize_row(const T* x, int64_t n, int8_t* out) {
-#ifdef __AVX512F__
-  if (n % 16 == 0) {
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) vmax = _mm512_max_ps(_mm512_abs_ps((__m512)fastcpu::load(x + i)), vmax);
-    const float amax = _mm512_reduce_max_ps(vmax);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps((__m512)fastcpu::load(x + i), inv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 c = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
-    }
-    const float scale = amax / 127.f;
-    std::memcpy(out + n, &scale, sizeof(scale));
-    return;
-  }
-#elif defined(__AVX2__)
-  if (n % 8 == 0) {  // the same, 8 values at a time (an AVX2 CPU)
+#ifdef __AVX2__
+  if (n % 8 == 0) {
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 vmax = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, fastcpu::load8(x + i)), vmax);
