@@ -444,7 +444,7 @@ std::vector<torch::Tensor> decode_attention_unchecked(torch::Tensor q, torch::Te
                                                       torch::Tensor lengths, double scale, int64_t num_kv_heads) {
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [B, H, D]");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // the heads of a row side by side
+  q = fastcpu::heads_side_by_side(q);
   const int64_t h = q.size(1), d = q.size(2);
   TORCH_CHECK(h % num_kv_heads == 0 && h / num_kv_heads <= kMaxGroup, "unsupported head grouping");
   TORCH_CHECK(d % 16 == 0 && d <= kMaxDim, "head dim must be a multiple of 16, at most 256");

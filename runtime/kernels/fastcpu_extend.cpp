@@ -144,7 +144,7 @@ std::vector<torch::Tensor> extend_attention(torch::Tensor q, torch::Tensor k_poo
 #ifdef FASTCPU_BF16_DOT
   TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
               "q must be float32 or bfloat16 [T, H, D]");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // the heads of a row side by side
+  q = fastcpu::heads_side_by_side(q);
   const int64_t t_count = q.size(0), h = q.size(1), d = q.size(2), hkv = num_kv_heads;
   TORCH_CHECK(h % hkv == 0, "query heads must be a multiple of the KV heads");
   std::optional<PoolRows> pools;

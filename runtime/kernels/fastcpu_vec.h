@@ -298,6 +298,12 @@ inline torch::Tensor float_rows(const torch::Tensor& x) {
   return xf;
 }
 
+// Attention queries [T, H, D] with each row's heads side by side (any row stride, so a view of wider rows is read
+// in place): q itself when they are, else a contiguous copy.
+inline torch::Tensor heads_side_by_side(const torch::Tensor& q) {
+  return q.stride(2) == 1 && q.stride(1) == q.size(2) ? q : q.contiguous();
+}
+
 // Scratch a kernel keeps per thread from call to call (a decode step makes hundreds of calls, each of which
 // allocated and freed its buffers): v's storage with room for n elements, its contents the caller's to write. One
 // grown past kKeptScratchBytes for a large call (a long prefill chunk) is released at the next smaller one.

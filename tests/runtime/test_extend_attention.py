@@ -91,7 +91,6 @@ def test_times_freed_moves_only_when_a_page_under_the_slots_is_freed():
 
 
 @requires_bf16_dot
-@requires_bf16_dot
 def test_extend_attention_reads_its_queries_in_place_in_either_dtype():
     """The queries as a strided bf16 view (the decode stack passes its rotary output's query heads), contiguous, or
     as the same values in float32 (rounded to bf16 by the kernel, exactly): the same bits."""
@@ -110,6 +109,7 @@ def test_extend_attention_reads_its_queries_in_place_in_either_dtype():
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
 
 
+@requires_bf16_dot
 def test_extend_attention_with_a_kept_pack_equals_packing_afresh():
     g = torch.Generator().manual_seed(2)
     hkv, d = 3, 64
