@@ -291,7 +291,10 @@ def cases(k_this: ModuleType, g: torch.Generator) -> dict[str, Case]:
     return out
 
 
+@torch.inference_mode()
 def measure(builds: dict[str, ModuleType], case: Case, rounds: int) -> dict[str, float] | str:
+    """Each build's median time on ``case``. Under inference mode, as the model runs its forward: outside it every
+    tensor the kernels make or view carries autograd's bookkeeping, which made the batch-8 decode stack 3-5% slower."""
     times: dict[str, list[float]] = {name: [] for name in builds}
     try:
         for k in builds.values():  # warm-up, and a build that cannot run the case says so here

@@ -73,6 +73,7 @@ def variants(k: Any, fmt: str, kv: str, prefix: int, g: torch.Generator) -> tupl
     }, (k_buf, v_buf, prefix, length)
 
 
+@torch.inference_mode()  # as the model runs its forward (see bench_kernel_ab.measure)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fmt", default="int8", choices=sorted(LAYOUTS), help="weight format (default int8)")
