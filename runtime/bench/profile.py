@@ -39,6 +39,11 @@ PART_NAMES = {"scheduling": "scheduling / admission", "batch_build": "batch buil
 # matrix products against the attention and the small ops between them.
 PHASE_GROUPS = {"linears": ("qkv", "o", "gate_up", "down"), "attention": ("own_attention", "shared_attention"),
                 "small ops": ("norms", "rotary", "kv_store", "silu_mul")}
+# The decoder layers' time outside that call (the embedding, the RoPE tables, the final norm, the call's arguments):
+# the decode row's "decoder layers" less the phases, per step.
+AROUND = "around_call"
+# The parts of a step outside the layers and the output projection: the scheduler's Python on either side of them.
+SCHEDULER_PARTS = ("scheduling", "batch_build", "planning", "sampling", "process")
 
 
 def timed_step(sched: Any) -> dict[str, float] | None:
@@ -184,7 +189,8 @@ def run_profile(model: str = "default", threads: int | None = None, batch: int =
             if step is not None and step["prefill_tokens"] == 0:
                 scenarios["decode"].append(step)
                 if phases.get("runs") == 1:  # the step ran its layers in one native call
-                    phase_steps.append(phases)
+                    inside = sum(v for k, v in phases.items() if k != "runs")
+                    phase_steps.append({**phases, AROUND: step["forward"] - inside})
         if stack is not None:
             stack.time_phases(False)
         for req in list(sched.running):
@@ -222,7 +228,24 @@ def phase_line(p: dict[str, Any]) -> str | None:
         ms = 1e3 * sum(ph[n] for n in names)
         share = f", {100 * ms / step_ms:.0f}% of the step" if step_ms else ""
         parts.append(f"{group} {ms:.2f}{share} (" + ", ".join(f"{n} {1e3 * ph[n]:.2f}" for n in names) + ")")
+    if AROUND in ph:
+        parts.append(f"around their native call {1e3 * ph[AROUND]:.2f} (embedding, RoPE tables, final norm, the call)")
     return f"decoder layers of a decode step by phase (median ms of {int(ph['steps'])} steps): " + "; ".join(parts)
+
+
+def overhead_line(p: dict[str, Any]) -> str | None:
+    """What a decode step spends outside its matrix products and attention (median ms, share of the step): the
+    scheduler's Python, the work around the layers' native call and the small ops between the kernels; None where
+    the model ran its layers one by one (no phases)."""
+    ph, sc = p.get("decode_phases"), p["scenarios"].get("decode")
+    if not ph or AROUND not in ph or not sc or not sc["total"]:
+        return None
+    scheduler = 1e3 * sum(sc[k] for k in SCHEDULER_PARTS)
+    around, small = 1e3 * ph[AROUND], 1e3 * sum(ph[n] for n in PHASE_GROUPS["small ops"])
+    total = scheduler + around + small
+    return (f"a decode step outside its matrix products and attention: {total:.2f} ms, "
+            f"{100 * total / (1e3 * sc['total']):.0f}% of the step (the scheduler's parts, scheduling to results, "
+            f"{scheduler:.2f}; around the layers' native call {around:.2f}; small ops {small:.2f})")
 
 
 def format_profile(p: dict[str, Any]) -> str:
@@ -242,9 +265,9 @@ def format_profile(p: dict[str, Any]) -> str:
     if "floor" in p:
         lines.append(f"{'x weight-streaming floor':26s}" + "".join(f"{floor_ratio(p, n):>15.2f}x" for n in names))
         lines.append(floor_line(p))
-    phases = phase_line(p)
-    if phases:
-        lines.append(phases)
+    for line in (phase_line(p), overhead_line(p)):
+        if line:
+            lines.append(line)
     ipc = p["ipc"]
     lines.append(f"IPC: BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes): ZMQ round trip "
                  f"{1e6 * ipc['round_trip_s']:.0f} µs, pickle encode+decode alone {1e6 * ipc['pickle_only_s']:.0f} µs")

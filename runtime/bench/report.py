@@ -214,7 +214,7 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def _profile_table(p: dict[str, Any]) -> list[str]:
-    from runtime.bench.profile import PART_NAMES, PARTS, floor_line, floor_ratio, phase_line
+    from runtime.bench.profile import PART_NAMES, PARTS, floor_line, floor_ratio, overhead_line, phase_line
 
     names = list(p["scenarios"])
     out = [f"In-process step profile (`radixserve bench profile`): {p['model']}, few-shot batch of {p['batch']}, "
@@ -232,9 +232,9 @@ def _profile_table(p: dict[str, Any]) -> list[str]:
     if "floor" in p:  # profiles saved before the floor probe have none
         out += ["| x weight-streaming floor | " + " | ".join(f"{floor_ratio(p, n):.2f}x" for n in names) + " |",
                 "", floor_line(p) + "."]
-    phases = phase_line(p)
-    if phases:
-        out += ["", phases[0].upper() + phases[1:] + "."]
+    for line in (phase_line(p), overhead_line(p)):
+        if line:
+            out += ["", line[0].upper() + line[1:] + "."]
     ipc = p["ipc"]
     out += ["", f"IPC: a BatchTokenOut of {int(ipc['outputs'])} outputs ({int(ipc['bytes'])} bytes) takes "
             f"{1e6 * ipc['round_trip_s']:.0f} µs for a ZMQ round trip (pickle alone "

@@ -63,3 +63,22 @@ def test_the_decode_phases_are_grouped_and_set_against_the_decode_step() -> None
     assert "attention 2.00, 20% of the step (own_attention 0.75, shared_attention 1.25)" in line
     assert "small ops 1.00, 10% of the step (norms 0.25, rotary 0.12, kv_store 0.12, silu_mul 0.50)" in line
     assert phase_line({"scenarios": {}}) is None  # layers run one by one: no phases
+
+
+def test_a_decode_steps_overhead_sums_the_scheduler_the_call_and_the_small_ops() -> None:
+    """Outside the matrix products and attention: the scheduler's parts of the decode row, the layers' time around
+    their native call, and the small ops between the kernels, against the whole step."""
+    from runtime.bench.profile import AROUND, overhead_line, phase_line
+
+    ms = {"qkv": 1.0, "o": 0.5, "gate_up": 2.0, "down": 1.5, "own_attention": 0.75, "shared_attention": 1.25,
+          "norms": 0.25, "rotary": 0.125, "kv_store": 0.125, "silu_mul": 0.5, AROUND: 0.5}
+    decode = {"total": 0.010, "scheduling": 0.0002, "batch_build": 0.0003, "planning": 0.0004, "sampling": 0.0005,
+              "process": 0.0001, "forward": 0.0075, "logits": 0.001}
+    p = {"scenarios": {"decode": decode}, "decode_phases": {"steps": 16.0, **{k: v / 1e3 for k, v in ms.items()}}}
+    line = overhead_line(p)
+    assert line == ("a decode step outside its matrix products and attention: 3.00 ms, 30% of the step (the "
+                    "scheduler's parts, scheduling to results, 1.50; around the layers' native call 0.50; "
+                    "small ops 1.00)")
+    assert "around their native call 0.50" in (phase_line(p) or "")
+    del p["decode_phases"][AROUND]  # a profile saved before the split: no line rather than a wrong sum
+    assert overhead_line(p) is None
