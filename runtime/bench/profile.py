@@ -42,7 +42,8 @@ PHASE_GROUPS = {"linears": ("qkv", "o", "gate_up", "down"), "attention": ("own_a
 # The decoder layers' time outside that call (the embedding, the RoPE tables, the final norm, the call's arguments):
 # the decode row's "decoder layers" less the phases, per step.
 AROUND = "around_call"
-# The parts of a step outside the layers and the output projection: the scheduler's Python on either side of them.
+# The parts of a step outside the layers and the output projection: the scheduler's work on either side of them
+# (Python, but for sampling's argmax kernel).
 SCHEDULER_PARTS = ("scheduling", "batch_build", "planning", "sampling", "process")
 
 
@@ -235,7 +236,7 @@ def phase_line(p: dict[str, Any]) -> str | None:
 
 def overhead_line(p: dict[str, Any]) -> str | None:
     """What a decode step spends outside its matrix products and attention (median ms, share of the step): the
-    scheduler's Python, the work around the layers' native call and the small ops between the kernels; None where
+    scheduler's parts, the work around the layers' native call and the small ops between the kernels; None where
     the model ran its layers one by one (no phases)."""
     ph, sc = p.get("decode_phases"), p["scenarios"].get("decode")
     if not ph or AROUND not in ph or not sc or not sc["total"]:
