@@ -154,6 +154,34 @@ def linear_case(fmt: str, rows: int, g: torch.Generator, layers: int = LAYERS, a
     return run
 
 
+def decode_stack(k: ModuleType, weights: list[list[Any]], norms: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """Build ``k``'s ``DecodeStack`` of SmolLM2's shape over packed ``weights`` (qkv, o, gate/up, down per layer) and
+    each layer's two RMSNorm weights, without biases."""
+    stack = k.DecodeStack(HEADS, KV_HEADS, DIM, 1e-5, SCALE)
+    for layer, (n1, n2) in zip(weights, norms):
+        stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
+                        [None] * 4)
+    return stack
+
+
+def own_table(batch: int, prefix: int, length: int) -> torch.Tensor:
+    """``[batch, length]`` slots: row r's own positions, consecutive, after a ``prefix`` of shared slots."""
+    return torch.stack([prefix + r * length + torch.arange(length) for r in range(batch)])
+
+
+def step_inputs(kv_index: torch.Tensor, g: torch.Generator,
+                act: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``DecodeStack.run`` takes per step for rows reading all of ``kv_index`` [B, L]: their lengths, their new
+    tokens' slots (each row's last), the RoPE tables and the hidden rows (in ``act``)."""
+    batch = kv_index.shape[0]
+    lengths = torch.full((batch,), kv_index.shape[1], dtype=torch.int64)
+    new_slots = kv_index[:, -1].contiguous()
+    angle = torch.rand(batch, DIM, generator=g)
+    cos, sin = angle.cos().to(act), angle.sin().to(act)
+    x = (torch.randn(batch, LINEAR_SHAPES[0][1], generator=g) * 0.1).to(act)
+    return lengths, new_slots, cos, sin, x
+
+
 def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050, own: int = 40,
                kv: str = "bfloat16", rows: str = "group") -> Case:
     """Every decoder layer of a decode batch in one ``DecodeStack.run`` call: ``batch`` rows with ``own`` positions
@@ -177,22 +205,15 @@ def stack_case(fmt: str, g: torch.Generator, batch: int = 8, prefix: int = 1050,
     shared_index = torch.arange(prefix)
     packs = functools.cache(lambda k: [k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared_index,
                                                      KV_HEADS, DIM) for i in range(LAYERS)])
-    kv_index = torch.stack([prefix + r * length + torch.arange(length) for r in range(batch)])
+    kv_index = own_table(batch, prefix, length)
     if rows == "shared":
         kv_index = torch.cat([shared_index.expand(batch, prefix), kv_index], 1)
-    lengths = torch.full((batch,), kv_index.shape[1], dtype=torch.int64)
-    new_slots = kv_index[:, -1].contiguous()
-    angle = torch.rand(batch, DIM, generator=g)
-    cos, sin = angle.cos().to(act), angle.sin().to(act)
-    x = (torch.randn(batch, hidden, generator=g) * 0.1).to(act)
+    lengths, new_slots, cos, sin, x = step_inputs(kv_index, g, act)
     built: dict[int, Any] = {}
 
     def run(k: ModuleType) -> None:
         if id(k) not in built:  # each build's own stack over the same packed weights
-            stack = k.DecodeStack(HEADS, KV_HEADS, DIM, 1e-5, SCALE)
-            for layer, (n1, n2) in zip(weights, norms):
-                stack.add_layer(n1, n2, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
-                                [None] * 4)
+            stack = decode_stack(k, weights, norms)
             groups = [k.SharedGroup(0, batch, shared_index, torch.full((batch,), prefix, dtype=torch.int64),
                                     [list(p) for p in packs(k)])] if grouped else []
             built[id(k)] = (stack, groups)

@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 import torch
-from bench_attention_kernels import DIM, HEADS, KV_HEADS, LAYERS, SCALE, pools
-from bench_kernel_ab import LINEAR_SHAPES
+from bench_attention_kernels import DIM, KV_HEADS, LAYERS, pools
+from bench_kernel_ab import LINEAR_SHAPES, decode_stack, own_table, step_inputs
 from engine_steps import cpu_simd, emit
 
 from runtime.kernels.build import load_kernels
@@ -44,7 +44,7 @@ def variants(k: Any, fmt: str, kv: str, prefix: int, g: torch.Generator) -> tupl
     act = torch.bfloat16
     weights = [[pack_weight(torch.randn(n, kk, generator=g) * 0.05, fmt, LAYOUTS[fmt]) for n, kk in LINEAR_SHAPES]
                for _ in range(LAYERS)]
-    norms = [torch.ones(LINEAR_SHAPES[0][1], dtype=act) for _ in range(2)]
+    norms = [(torch.ones(LINEAR_SHAPES[0][1], dtype=act), torch.ones(LINEAR_SHAPES[0][1], dtype=act))] * LAYERS
     length = OWN + 1
     slots = prefix + BATCH * length + 64
     layer_pools = [pools(slots, g, kv) for _ in range(LAYERS)]
@@ -53,17 +53,10 @@ def variants(k: Any, fmt: str, kv: str, prefix: int, g: torch.Generator) -> tupl
     packs = [list(k.pack_prefix(k_buf[i].view(slots, -1), v_buf[i].view(slots, -1), shared, KV_HEADS, DIM))
              for i in range(LAYERS)]
 
-    def stack(layer_weights: list[list[Any]]) -> Any:
-        s = k.DecodeStack(HEADS, KV_HEADS, DIM, 1e-5, SCALE)
-        for layer in layer_weights:
-            s.add_layer(*norms, [k.PackedLinear(w.layout, w.data, w.out_features, w.scale, 32) for w in layer],
-                        [None] * 4)
-        return s
-
     def group(layer_packs: list[list[torch.Tensor]]) -> list[Any]:
         return [k.SharedGroup(0, BATCH, shared, torch.full((BATCH,), prefix, dtype=torch.int64), layer_packs)]
 
-    own_weights, first_weights = stack(weights), stack([weights[0]] * LAYERS)
+    own_weights, first_weights = decode_stack(k, weights, norms), decode_stack(k, [weights[0]] * LAYERS, norms)
     return {
         "own weights, own packs": (own_weights, group(packs)),
         "own weights, layer 0's pack": (own_weights, group([packs[0]] * LAYERS)),
@@ -89,12 +82,8 @@ def main() -> None:
         raise SystemExit("kept packs need the bf16 GEMM kernel (a CPU with AVX512_BF16)")
     g = torch.Generator().manual_seed(0)
     runs, (k_buf, v_buf, prefix, length) = variants(k, a.fmt, a.kv, a.prefix, g)
-    kv_index = torch.stack([prefix + r * length + torch.arange(length) for r in range(BATCH)])
-    lengths = torch.full((BATCH,), length, dtype=torch.int64)
-    new_slots = kv_index[:, -1].contiguous()
-    angle = torch.rand(BATCH, DIM, generator=g)
-    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
-    x = (torch.randn(BATCH, LINEAR_SHAPES[0][1], generator=g) * 0.1).bfloat16()
+    kv_index = own_table(BATCH, prefix, length)
+    lengths, new_slots, cos, sin, x = step_inputs(kv_index, g, torch.bfloat16)
 
     def run(name: str) -> float:
         s, groups = runs[name]
