@@ -180,29 +180,53 @@ def test_bad_protection_fields(guarded: ServerProcess) -> None:
 
 # ---------------------------------------------------------------------- priority
 def test_priority_order(tiny_model_dir: Path) -> None:
-    """One running slot: while a long request holds it, low-priority requests arrive before a high-priority
-    one; the high-priority one is admitted (and finishes) first."""
+    """One running slot: while a long request holds it, two low-priority requests and then a high-priority one
+    wait; when the slot frees, the high-priority one is admitted (and finishes) first. Each step waits for the
+    server to report the state the next one needs (the blocker streaming, each request queued): timed delays
+    alone had let the blocker reach the scheduler after the others on a loaded host."""
     server = ServerProcess(str(tiny_model_dir), [*BASE, "--max-running-requests", "1",
                                                  "--enable-priority-scheduling", "--schedule-policy", "fcfs"]).start()
     finished: list[str] = []
 
-    async def run(client: httpx.AsyncClient, name: str, priority: int, tokens: int, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def run(client: httpx.AsyncClient, name: str, priority: int) -> None:
         r = await client.post(server.url + "/generate", json={
             "text": f"request {name}", "priority": priority,
-            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True}})
+            "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
         assert r.status_code == 200, r.text
         finished.append(name)
 
+    async def blocker(client: httpx.AsyncClient, running: asyncio.Event) -> None:
+        body = {"text": "request blocker", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True},
+                "stream": True}
+        async with client.stream("POST", server.url + "/generate", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    running.set()  # its first token is out: it holds the only slot
+        finished.append("blocker")
+
+    async def waiting(client: httpx.AsyncClient, count: int) -> None:
+        for _ in range(1500):
+            info = (await client.get(server.url + "/get_server_info")).json()
+            if info["num_waiting_reqs"] >= count:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{count} requests never waited together: {info}")
+
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=300) as client:
-            await asyncio.gather(run(client, "blocker", 0, 1500, 0), run(client, "low1", 0, 5, 0.3),
-                                 run(client, "low2", 0, 5, 0.35), run(client, "high", 10, 5, 0.5))
+            running = asyncio.Event()
+            tasks = [asyncio.create_task(blocker(client, running))]
+            await asyncio.wait_for(running.wait(), 120)
+            for name, priority in (("low1", 0), ("low2", 0), ("high", 10)):
+                tasks.append(asyncio.create_task(run(client, name, priority)))
+                await waiting(client, len(tasks) - 1)
+            assert not finished, f"the blocker should still hold the slot when all arrived: {finished}"
+            await asyncio.gather(*tasks)
 
     try:
         asyncio.run(scenario())
-        assert finished[0] == "blocker", f"the blocker should still hold the slot when all arrived: {finished}"
-        assert finished[1] == "high", finished
+        assert finished == ["blocker", "high", "low1", "low2"], finished
         assert_kv_clean(server.url)
     finally:
         assert server.stop() == 0
