@@ -29,15 +29,25 @@ def sse_frames(resp) -> list:
     return frames
 
 
-def wait_idle(server, timeout=20.0):
+def wait_until(server, ready, what, timeout):
+    """The server's /get_server_info once ``ready`` says yes to it (polled), or an AssertionError naming ``what``."""
     deadline = time.time() + timeout
     info = {}
     while time.time() < deadline:
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+        if ready(info):
             return info
         time.sleep(0.05)
-    raise AssertionError(f"server not idle: {info}")
+    raise AssertionError(f"server not {what}: {info}")
+
+
+def wait_idle(server, timeout=20.0):
+    return wait_until(server, lambda i: i["num_running_reqs"] == 0 and i["num_waiting_reqs"] == 0, "idle", timeout)
+
+
+def wait_running(server, timeout=60.0):
+    """Once a request runs: waiting for it, rather than sleeping a fixed time, holds on a loaded host too."""
+    return wait_until(server, lambda i: i["num_running_reqs"] == 1, "running one request", timeout)
 
 
 def test_generate_fields(tiny_server):
@@ -125,7 +135,7 @@ def test_abort_request_endpoint(tiny_server):
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.5)
+    wait_running(tiny_server)
     assert post(tiny_server, "/abort_request", {"rid": "to-abort"}).status_code == 200
     t.join(30)
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
@@ -143,10 +153,8 @@ def test_disconnected_client_frees_its_kv(tiny_server, stream):
                      + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         if stream:
             sock.recv(100)  # the stream has started
-        else:
-            time.sleep(0.5)
-        busy = httpx.get(tiny_server.url + "/get_server_info", timeout=30).json()
-        assert busy["num_running_reqs"] == 1 and busy["kv"]["private"] > 0
+        busy = wait_running(tiny_server)
+        assert busy["kv"]["private"] > 0
     info = wait_idle(tiny_server)  # the close aborted it within a step or two
     assert info["kv"]["private"] == 0 and info["kv"]["protected"] == 0
 
