@@ -12,11 +12,16 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.bench.servers import ManagedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "ServerProcess", "assert_kv_clean", "free_port", "pid_alive", "tmp_log", "use_log_dir"]
+__all__ = ["ROOT", "Series", "ServerProcess", "alive_after", "assert_kv_clean", "free_port", "pid_alive",
+           "scrape_metrics", "tmp_log", "use_log_dir"]
+
+# /metrics samples: (name, labels other than model_name, sorted) -> value
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 _log_dir: Path | None = None
@@ -77,3 +82,20 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def scrape_metrics(url: str, prefix: str = "radixserve_") -> Series:
+    """Every sample of the server's /metrics whose name starts with ``prefix``, but the ``_created`` timestamps."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith(prefix) and not s.name.endswith("_created")}
+
+
+def alive_after(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The processes of ``pids`` still running once they have all exited or ``timeout`` seconds have passed: a
+    stopped server's children exit on their own schedule, later on a loaded host."""
+    deadline = time.time() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.time() < deadline:
+        time.sleep(0.1)
+    return alive

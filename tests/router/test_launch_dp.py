@@ -14,7 +14,7 @@ import pytest
 
 from router.launch_dp import PortReservation, worker_argv, worker_gpus
 from runtime.config import ServerArgs
-from tests.server_harness import ROOT, free_port, pid_alive
+from tests.server_harness import ROOT, alive_after, free_port
 
 # The wiring runtime/cli.py uses: ServerArgs flags + add_dp_args on the serve parser, then run_dp.
 LAUNCH = ("import argparse, sys\n"
@@ -63,8 +63,7 @@ def test_dp_starts_workers_and_router_and_stops_cleanly(tiny_model_dir: Path) ->
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
     assert code == 0, proc.stdout.read().decode() if proc.stdout else ""
-    time.sleep(0.5)
-    assert not [c for c in children if pid_alive(c)]
+    assert alive_after(children) == []
 
 
 def test_worker_ports_skip_a_port_already_taken() -> None:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, pid_alive
+from tests.server_harness import ServerProcess, alive_after, scrape_metrics
 
 
 def post(server, path, body, **kw):
@@ -115,13 +115,20 @@ def test_server_info_health_flush_metrics(tiny_server):
     kv = info["kv"]
     assert kv["free"] + kv["evictable"] + kv["protected"] + kv["private"] == kv["capacity"]
     assert info["cache"]["cached_tokens"] == 0 and info["max_total_tokens"] == 32768
-    post(tiny_server, "/generate", {"text": "metrics please", "sampling_params": {"max_new_tokens": 2}})
-    time.sleep(0.7)  # let the scheduler push a status update
-    m = httpx.get(tiny_server.url + "/metrics").text
+    before = scrape_metrics(tiny_server.url)
+    post(tiny_server, "/generate", {"text": "metrics please",
+                                    "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    # a request's counters move with its outputs, before its reply is sent
+    after = scrape_metrics(tiny_server.url)
+    names = {name for name, _ in after}
     for name in ("radixserve_num_running_reqs", "radixserve_num_queue_reqs", "radixserve_token_usage",
                  "radixserve_cache_hit_rate", "radixserve_time_to_first_token_seconds_bucket",
                  "radixserve_inter_token_latency_seconds_bucket", "radixserve_generation_tokens_total"):
-        assert name in m, name
+        assert name in names, name
+    grew = {name: after[(name, ())] - before[(name, ())] for name in
+            ("radixserve_requests_total", "radixserve_generation_tokens_total", "radixserve_prompt_tokens_total")}
+    assert grew["radixserve_requests_total"] == 1 and grew["radixserve_generation_tokens_total"] == 2, grew
+    assert grew["radixserve_prompt_tokens_total"] > 0, grew
 
 
 def test_abort_request_endpoint(tiny_server):
@@ -189,10 +196,7 @@ def test_sigterm_stops_every_process(tiny_model_dir):
     kids = server.children()
     assert len(kids) >= 2
     assert server.stop(signal.SIGTERM) == 0
-    deadline = time.time() + 10
-    while any(pid_alive(k) for k in kids) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(k) for k in kids), "no orphan processes"
+    assert alive_after(kids) == [], "no orphan processes"
 
 
 def child_bound_to(server: ServerProcess, name: str) -> int:
@@ -276,10 +280,7 @@ def assert_exits_with_children(server: ServerProcess, kids: list[int], code: int
     assert server.proc is not None
     server.proc.wait(30)
     assert server.proc.returncode == code, server.log()
-    deadline = time.time() + 10
-    while any(pid_alive(k) for k in kids) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not any(pid_alive(k) for k in kids), "no orphan processes"
+    assert alive_after(kids) == [], "no orphan processes"
 
 
 def test_scheduler_death_gives_503_and_nonzero_exit(tiny_model_dir):

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import ServerProcess, assert_kv_clean
+from tests.server_harness import ServerProcess, assert_kv_clean, scrape_metrics
 
 ARGS = ["--max-total-tokens", "8192", "--num-threads", "1", "--dtype", "float32"]
 
@@ -24,9 +23,7 @@ def generate(url: str, ids: list[int]) -> dict:
 
 
 def spec_gauges(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.startswith("radixserve_spec_")}
+    return {name: value for (name, _), value in scrape_metrics(url, "radixserve_spec_").items()}
 
 
 @pytest.mark.parametrize("algorithm", ["ngram", "draft"])

@@ -15,7 +15,7 @@ import httpx
 
 from tests.conftest import checked_engine
 from tests.oracle import WITH_TOP2, assert_all_agree
-from tests.server_harness import ServerProcess, assert_kv_clean, pid_alive
+from tests.server_harness import ServerProcess, alive_after, assert_kv_clean
 
 BASE = ["--tp", "2", "--dtype", "float32", "--max-total-tokens", "8192", "--log-level", "info"]
 
@@ -77,8 +77,7 @@ def test_killed_rank_gives_503_and_a_clean_exit(tiny_model_dir: Path) -> None:
         assert code == 1, log
         assert "tensor-parallel rank 1" in log and "killed by signal SIGKILL" in log, log
         assert "failing pending requests with 503" in log, log
-        time.sleep(0.5)
-        assert [p for p in everything if pid_alive(p)] == [], log
+        assert alive_after(everything) == [], log
     finally:
         server.stop()
 
@@ -114,5 +113,4 @@ def test_dp2_of_tp2_workers_give_tp1_tokens_and_stop_clean(tiny_model_dir: Path)
     finally:
         code = server.stop()
     assert code == 0, server.log()
-    time.sleep(0.5)
-    assert [p for p in everything if pid_alive(p)] == [], server.log()
+    assert alive_after(everything) == [], server.log()

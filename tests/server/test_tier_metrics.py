@@ -14,11 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_harness import ServerProcess, assert_kv_clean
-
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.server_harness import Series, ServerProcess, assert_kv_clean, scrape_metrics
 
 
 def generate(url: str, ids: list[int]) -> tuple[list[int], int]:
@@ -31,14 +28,7 @@ def generate(url: str, ids: list[int]) -> tuple[list[int], int]:
 
 def scrape(url: str) -> Series:
     """Every radixserve_cache_tier_* sample, keyed by name and labels (model_name left out)."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out: Series = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("radixserve_cache_tier_") and not s.name.endswith("_created"):
-                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-                out[(s.name, labels)] = s.value
-    return out
+    return scrape_metrics(url, "radixserve_cache_tier_")
 
 
 def tier(series: Series, name: str, t: str, **extra: str) -> float:
