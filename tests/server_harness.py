@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from runtime.bench.servers import ManagedServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "Series", "ServerProcess", "alive_after", "assert_kv_clean", "free_port", "pid_alive",
-           "scrape_metrics", "tmp_log", "use_log_dir"]
+__all__ = ["ROOT", "Series", "ServerProcess", "alive_after", "assert_kv_clean", "free_port", "is_idle", "pid_alive",
+           "scrape_metrics", "server_info_when", "tmp_log", "use_log_dir"]
 
 # /metrics samples: (name, labels other than model_name, sorted) -> value
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -58,17 +60,27 @@ class ServerProcess(ManagedServer):
         return [int(p) for p in out.stdout.split()]
 
 
-def assert_kv_clean(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
-    """Once the server at ``url`` is idle, its KV accounting (checked by /get_server_info) holds no request's
-    private pages and no locked prefix: every request handed back what it took."""
+def server_info_when(url: str, ready: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30.0,
+                     headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """The /get_server_info of the server at ``url`` once ``ready`` holds for it (polled), or an AssertionError
+    saying the server is not ``what``: waiting for the server's state holds on a loaded host, a fixed sleep not."""
     deadline = time.time() + timeout
     while True:
         info = httpx.get(url + "/get_server_info", timeout=30, headers=headers).json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.time() < deadline, f"{url} is not idle: {info}"
+        if ready(info):
+            return info
+        assert time.time() < deadline, f"{url} is not {what}: {info}"
         time.sleep(0.05)
-    kv = info["kv"]
+
+
+def is_idle(info: dict[str, Any]) -> bool:
+    return info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+
+
+def assert_kv_clean(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
+    """Once the server at ``url`` is idle, its KV accounting (checked by /get_server_info) holds no request's
+    private pages and no locked prefix: every request handed back what it took."""
+    kv = server_info_when(url, is_idle, "idle", timeout, headers)["kv"]
     assert kv["private"] == 0 and kv["protected"] == 0, kv
 
 

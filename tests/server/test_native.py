@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, alive_after, scrape_metrics
+from tests.server_harness import ServerProcess, alive_after, is_idle, scrape_metrics, server_info_when
 
 
 def post(server, path, body, **kw):
@@ -29,25 +29,13 @@ def sse_frames(resp) -> list:
     return frames
 
 
-def wait_until(server, ready, what, timeout):
-    """The server's /get_server_info once ``ready`` says yes to it (polled), or an AssertionError naming ``what``."""
-    deadline = time.time() + timeout
-    info = {}
-    while time.time() < deadline:
-        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-        if ready(info):
-            return info
-        time.sleep(0.05)
-    raise AssertionError(f"server not {what}: {info}")
-
-
 def wait_idle(server, timeout=20.0):
-    return wait_until(server, lambda i: i["num_running_reqs"] == 0 and i["num_waiting_reqs"] == 0, "idle", timeout)
+    return server_info_when(server.url, is_idle, "idle", timeout)
 
 
 def wait_running(server, timeout=60.0):
     """Once a request runs: waiting for it, rather than sleeping a fixed time, holds on a loaded host too."""
-    return wait_until(server, lambda i: i["num_running_reqs"] == 1, "running one request", timeout)
+    return server_info_when(server.url, lambda i: i["num_running_reqs"] == 1, "running one request", timeout)
 
 
 def test_generate_fields(tiny_server):

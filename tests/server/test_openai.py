@@ -8,7 +8,6 @@ texts that part no earlier than a float near-tie of the Engine's reference (test
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from runtime.engine import Engine
 from runtime.models.tokenizer import apply_chat_template
 from tests.conftest import checked_engine
 from tests.oracle import WITH_TOP2, Greedy, assert_text_agrees
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, assert_kv_clean
 
 GREEDY = {"temperature": 0, "max_tokens": 16}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about cats."}]
@@ -267,14 +266,7 @@ def test_client_disconnect_aborts(tiny_server: ServerProcess, model_name: str) -
     with pytest.raises(httpx.TimeoutException):  # non-streaming: the client gives up waiting
         httpx.post(tiny_server.url + "/v1/completions", timeout=0.5,
                    json={"model": model_name, "prompt": "x", "max_tokens": 3500, "ignore_eos": True})
-    deadline = time.time() + 5
-    while True:
-        info = httpx.get(tiny_server.url + "/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.time() < deadline, info
-        time.sleep(0.1)
-    assert info["kv"]["private"] == 0 and info["kv"]["protected"] == 0
+    assert_kv_clean(tiny_server.url, timeout=5)
 
 
 # ---------------------------------------------------------------------- concurrency
